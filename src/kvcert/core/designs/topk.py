@@ -1,0 +1,22 @@
+"""Deterministic top-k: keep the n_keep highest scores. Every kept token has pi = 1, nothing is estimable."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcert.core.selection import Selection, assemble, check_design_inputs, top_head
+
+
+def select(
+    scores: torch.Tensor,
+    n_keep: int,
+    *,
+    tail_fraction: float = 0.0,
+    floor: float = 0.0,
+    score_power: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> Selection:
+    check_design_inputs(scores, n_keep, tail_fraction, floor, score_power)
+    head = top_head(scores, n_keep)
+    none = torch.zeros_like(head)
+    return assemble(head, none, head.double(), design="topk", offset=False, has_certificate=False)

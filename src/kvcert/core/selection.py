@@ -1,0 +1,92 @@
+"""What a design returns: the kept tokens of every (batch..., head) row, padded to a common length.
+
+Kept tokens are ordered tail first (sampled, pi < 1), then head (pi = 1), then padding, so that the certificate,
+which only sums over tail tokens, can stop after the first `tail_slots` entries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Selection:
+    indices: torch.Tensor  # (..., m) long: positions in [0, n) of kept tokens; 0 on padding
+    log_pi: torch.Tensor  # (..., m) log inclusion probability; 0 for head tokens, -inf on padding
+    offset: torch.Tensor  # (..., m) logit offset added inside the softmax; -inf on padding
+    valid: torch.Tensor  # (..., m) bool: False on padding
+    tail_slots: int  # tail tokens occupy at most the first `tail_slots` entries of every row
+    design: str
+    has_certificate: bool  # False for deterministic designs: the certificate is undefined, not zero
+
+    @property
+    def one_minus_pi(self) -> torch.Tensor:
+        """1 - pi per kept token (0 for head tokens and padding): the weight of a token in V_hat."""
+        return torch.where(self.valid, -torch.expm1(self.log_pi), torch.zeros_like(self.log_pi))
+
+    @property
+    def kept_counts(self) -> torch.Tensor:
+        return self.valid.sum(-1)
+
+
+def keep_count(budget: float, n: int) -> int:
+    """Number of tokens a budget (fraction of the n cached tokens, in (0, 1]) keeps."""
+    if not isinstance(budget, (int, float)) or math.isnan(budget) or not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget must be a fraction in (0, 1], got {budget!r}")
+    return min(n, max(0, round(budget * n)))
+
+
+def check_design_inputs(scores: torch.Tensor, n_keep: int, tail_fraction: float, floor: float, score_power: float):
+    if scores.dim() < 1 or scores.shape[-1] == 0:
+        raise ValueError(f"scores must have shape (..., n) with n >= 1, got {tuple(scores.shape)}")
+    if not torch.isfinite(scores).all():
+        raise ValueError("scores contain NaN or inf")
+    if (scores < 0).any():
+        raise ValueError("scores must be non-negative")
+    n = scores.shape[-1]
+    if not isinstance(n_keep, int) or not 0 <= n_keep <= n:
+        raise ValueError(f"n_keep must be an int in [0, {n}], got {n_keep!r}")
+    if not 0.0 <= tail_fraction < 1.0:
+        raise ValueError(f"tail_fraction must be in [0, 1), got {tail_fraction!r}")
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"floor must be in [0, 1], got {floor!r}")
+    if not score_power > 0:
+        raise ValueError(f"score_power must be > 0, got {score_power!r}")
+
+
+def top_head(scores: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Boolean mask of the n_head highest scores per row (ties to the earlier position, deterministic)."""
+    head = torch.zeros_like(scores, dtype=torch.bool)
+    if n_head > 0:
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n_head]
+        head.scatter_(-1, order, True)
+    return head
+
+
+def split_head_tail(n_keep: int, tail_fraction: float) -> tuple[int, int]:
+    """Deterministic head size and expected tail size of a budget of n_keep tokens."""
+    n_head = n_keep - round(tail_fraction * n_keep)
+    return n_head, n_keep - n_head
+
+
+def assemble(
+    head: torch.Tensor, tail: torch.Tensor, pi: torch.Tensor, *, design: str, offset: bool, has_certificate: bool
+) -> Selection:
+    """Pack boolean masks (..., n) of head and sampled-tail tokens into a padded, tail-first Selection."""
+    n = head.shape[-1]
+    kept = head | tail
+    rank = torch.where(tail, 0, torch.where(head, 1, 2))
+    key = rank * (n + 1) + torch.arange(n, device=head.device)
+    width = int(kept.sum(-1).max()) if kept.numel() else 0
+    indices = key.argsort(dim=-1)[..., :width]
+    valid = kept.gather(-1, indices)
+    log_pi = torch.where(head, 0.0, torch.log(pi.clamp_min(1e-300))).to(torch.float32).gather(-1, indices)
+    log_pi = log_pi.masked_fill(~valid, float("-inf"))
+    off = -log_pi if offset else torch.zeros_like(log_pi)
+    off = off.masked_fill(~valid, float("-inf"))
+    indices = indices.masked_fill(~valid, 0)
+    tail_slots = int(tail.sum(-1).max()) if tail.numel() else 0
+    return Selection(indices, log_pi, off, valid, tail_slots, design, has_certificate)

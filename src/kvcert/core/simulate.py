@@ -1,0 +1,96 @@
+"""Random attention problems and Monte Carlo over design draws: the certificate checked against the truth.
+
+Used by the tests, by the T1 demonstration and to document where the certificate can and cannot be trusted
+(SPEC section 2: well-scored, mis-scored and very peaked regimes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.core.designs import get_design
+from kvcert.core.hajek import certificate_radius, exact_attention, gather_tokens, hajek_attention
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    query: torch.Tensor  # (d,) the decode query
+    keys: torch.Tensor  # (n, d)
+    values: torch.Tensor  # (n, d)
+    scores: torch.Tensor  # (n,) what the scorer saw (attention of a window query)
+    scale: float
+
+
+def random_problem(
+    n: int = 1000,
+    d: int = 64,
+    *,
+    peakedness: float = 1.0,
+    window_noise: float = 0.3,
+    generator: torch.Generator,
+    dtype: torch.dtype = torch.float64,
+) -> AttentionProblem:
+    """Gaussian keys/values; the scorer's window query = decode query + noise (window_noise 0 = perfect scorer).
+
+    peakedness scales the logits: 1 gives moderately spread attention, 4+ gives a few dominant tokens.
+    """
+    keys = torch.randn(n, d, generator=generator, dtype=dtype)
+    values = torch.randn(n, d, generator=generator, dtype=dtype)
+    query = torch.randn(d, generator=generator, dtype=dtype) * peakedness
+    noise = torch.randn(d, generator=generator, dtype=dtype) * query.norm() / d**0.5
+    window_query = query + window_noise * noise
+    scale = d**-0.5
+    scores = (keys @ window_query * scale).softmax(-1)
+    return AttentionProblem(query, keys, values, scores, scale)
+
+
+def monte_carlo(
+    problem: AttentionProblem,
+    *,
+    design: str = "randomized",
+    budget: float = 0.5,
+    tail_fraction: float = 0.5,
+    floor: float = 0.2,
+    score_power: float = 1.0,
+    draws: int = 2000,
+    level: float = 0.95,
+    generator: torch.Generator,
+    values: torch.Tensor | None = None,
+) -> dict[str, float | torch.Tensor]:
+    """Draw the design `draws` times on one problem; return coverage, E[V_hat]/MSE, bias and the raw draws.
+
+    values overrides problem.values (the T1 perturbation changes values, never the scores or the draw).
+    """
+    v = problem.values if values is None else values
+    n = problem.keys.shape[0]
+    n_keep = round(budget * n)
+    select = get_design(design)
+    sel = select(
+        problem.scores.expand(draws, n).contiguous(), n_keep, tail_fraction=tail_fraction, floor=floor,
+        score_power=score_power, generator=generator,
+    )
+    k = gather_tokens(problem.keys.expand(draws, n, -1), sel.indices)
+    vv = gather_tokens(v.expand(draws, n, -1), sel.indices)
+    q = problem.query.expand(draws, 1, -1)
+    omp = sel.one_minus_pi.to(v.dtype) if sel.has_certificate else None
+    res = hajek_attention(q, k, vv, sel.offset.to(v.dtype), scale=problem.scale, one_minus_pi=omp)
+    exact = exact_attention(problem.query[None, None], problem.keys[None], v[None], scale=problem.scale)[0, 0]
+    est = res.output[:, 0]
+    sq_err = (est - exact).square().sum(-1)
+    out = {
+        "mse": float(sq_err.mean()),
+        "bias_norm": float((est.mean(0) - exact).norm()),
+        "bias_se": float(est.std(0).norm() / draws**0.5),
+        "exact_norm": float(exact.norm()),
+        "sq_err": sq_err,
+        "kept_mean": float(sel.kept_counts.double().mean()),
+    }
+    if res.variance is not None:
+        var = res.variance[:, 0]
+        out["mean_vhat"] = float(var.mean())
+        out["vhat_over_mse"] = float(var.mean() / sq_err.mean())
+        out["coverage"] = float((sq_err.sqrt() <= certificate_radius(var, level)).double().mean())
+        out["variance"] = var
+    return out
