@@ -43,7 +43,8 @@ def test_certificate_variance_matches_direct_sum():
     scores = (k @ q * 0.25).softmax(-1)
     sel = get_design("randomized")(scores[None], 120, tail_fraction=0.5, generator=g)
     kk, vv = gather_tokens(k[None], sel.indices), gather_tokens(v[None], sel.indices)
-    res = hajek_attention(q[None, None], kk, vv, sel.offset.double(), scale=0.25, one_minus_pi=sel.one_minus_pi.double())
+    omp = sel.one_minus_pi.double()
+    res = hajek_attention(q[None, None], kk, vv, sel.offset.double(), scale=0.25, one_minus_pi=omp)
     p, o = res.weights[0, 0], res.output[0, 0]
     direct = ((sel.one_minus_pi[0].double() * p**2) * (vv[0] - o).square().sum(-1)).sum()
     assert abs(float(res.variance[0, 0] - direct)) < 1e-12 * max(1.0, float(direct))

@@ -12,9 +12,9 @@ import torch
 
 
 def perturb_values(values: torch.Tensor, tokens: torch.Tensor, direction: torch.Tensor, lam: float) -> torch.Tensor:
-    """values (..., n, d) with lam * direction (d,) or (..., n, d) added at the tokens where the mask (..., n) is True."""
+    """values (..., n, d) plus lam * direction ((d,) or (..., n, d)) at the tokens where the mask (..., n) is True."""
     if tokens.shape != values.shape[:-1]:
-        raise ValueError(f"tokens mask shape {tuple(tokens.shape)} must be values.shape[:-1] {tuple(values.shape[:-1])}")
+        raise ValueError(f"tokens: mask shape {tuple(tokens.shape)} must equal values.shape[:-1]")
     return values + lam * tokens.unsqueeze(-1).to(values.dtype) * direction.to(values.dtype)
 
 

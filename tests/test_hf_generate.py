@@ -1,0 +1,140 @@
+"""Eviction inside transformers models: keep-all is exact, positions are kept, batching is invisible, the layer
+output is the Hajek formula over the oracle cache."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from kvcert.core import gather_tokens
+from kvcert.hf import tiny_random_model
+from kvcert.hf.generate import DecodeOptions, generate_variants
+from kvcert.hf.policy import FULL, Policy
+from kvcert.hf.state import KVState
+
+DESIGNS = ["topk", "randomized", "randomized_no_offset", "uniform"]
+SCORERS = ["window_question", "window_context", "streaming", "key_norm", "random"]
+N, QS, STEPS = 160, 130, 6
+
+
+def _prompt(seed=0):
+    return torch.randint(0, 128, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@torch.no_grad()
+def _hf_greedy(model, ids, steps):
+    """Reference: plain transformers decoding with its own DynamicCache and SDPA."""
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        logprobs.append(float(lp[t]))
+        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+    return tokens, logprobs
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
+    model, _ = tiny_random_model(arch)
+    ids = _prompt()
+    ref_tokens, ref_lp = _hf_greedy(model, ids, STEPS)
+    policies = [FULL] + [Policy(s, d, 1.0) for s in ["window_question", "window_context", "streaming"] for d in DESIGNS]
+    results = generate_variants(model, None, ids, QS, policies, example_id="e", options=DecodeOptions(STEPS))
+    for r in results:
+        assert r.tokens == ref_tokens, r.policy.label
+        assert max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5, r.policy.label
+        assert r.stats["error"].max() < 1e-5  # the oracle agrees with a keep-all cache
+        if r.policy.has_certificate:
+            assert r.stats["variance"].max() == 0.0  # every pi is 1
+
+
+def _kept_cache(model, ids, policy):
+    """HF DynamicCache holding exactly the kept keys/values of a top-k policy (equal counts per head)."""
+    from kvcert.hf.attention import forward_with_state, use_kvcert_attention
+    from kvcert.hf.policy import compress
+
+    use_kvcert_attention(model)
+    rec = KVState(model.config.num_hidden_layers, "record", capture={"question": slice(QS, N)})
+    forward_with_state(model, torch.tensor([ids]), torch.arange(N)[None], rec)
+    scale = model.model.layers[0].self_attn.scaling
+    comp = compress(policy, rec.full_keys, N, (QS, N), rec.captured["question"], scale, "e")
+    cache = DynamicCache(config=model.config)
+    for layer, idx in enumerate(comp.indices):
+        cache.update(gather_tokens(rec.full_keys[layer][0], idx)[None],
+                     gather_tokens(rec.full_values[layer][0], idx)[None], layer)
+    return cache
+
+
+def test_compressed_cache_keeps_original_positions():
+    model, _ = tiny_random_model("llama")
+    ids = _prompt(1)
+    policy = Policy("window_question", "topk", 0.4)
+    ours = generate_variants(model, None, ids, QS, [policy], example_id="e", options=DecodeOptions(3))[0]
+    first = ours.tokens[0]
+
+    def step_logprob(position):
+        cache = _kept_cache(model, ids, policy)
+        model.set_attn_implementation("sdpa")
+        out = model(torch.tensor([[first]]), cache=cache, use_cache=True, position_ids=torch.tensor([[position]]))
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        return int(lp.argmax()), float(lp.max())
+
+    kept = round(0.4 * N)
+    tok_true, lp_true = step_logprob(N)  # the uncompressed position of the first generated token
+    tok_shift, lp_shift = step_logprob(kept)  # what a runner that follows the compressed length would use
+    assert ours.tokens[1] == tok_true and abs(ours.logprobs[1] - lp_true) < 1e-5
+    assert abs(lp_shift - lp_true) > 1e-4  # the test can tell the two apart
+
+
+def test_batched_variants_equal_each_variant_alone():
+    model, _ = tiny_random_model("qwen2")
+    ids = _prompt(2)
+    policies = [FULL] + [Policy(s, d, b, seed=3) for s in SCORERS for d in ["topk", "randomized"] for b in (0.3, 0.6)]
+    together = generate_variants(model, None, ids, QS, policies, example_id="e", options=DecodeOptions(5))
+    for p, r in zip(policies, together):
+        alone = generate_variants(model, None, ids, QS, [p], example_id="e", options=DecodeOptions(5))[0]
+        assert alone.tokens == r.tokens, p.label
+        assert max(abs(a - b) for a, b in zip(alone.logprobs, r.logprobs)) < 1e-5
+        assert alone.kept_tokens == r.kept_tokens
+        for name, arr in r.stats.items():
+            assert torch.allclose(torch.from_numpy(arr), torch.from_numpy(alone.stats[name]), atol=1e-5,
+                                  equal_nan=True), (p.label, name)
+
+
+def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
+    model, _ = tiny_random_model("llama")
+    ids = _prompt(3)
+    seen = {}
+    original = KVState.attend
+
+    def spy(self, layer, query, key, value, scale):
+        out = original(self, layer, query, key, value, scale)
+        if layer == 0 and query.shape[-2] == 1 and "q" not in seen:
+            buf = self.layers[0]
+            seen.update(q=query.clone(), out=out.clone(), keys=buf.keys[:, :, : buf.length].clone(),
+                        values=buf.values[:, :, : buf.length].clone(), offset=buf.offset[:, :, : buf.length].clone(),
+                        oracle_k=self.oracle_keys[0].clone(), oracle_v=self.oracle_values[0].clone())
+        return out
+
+    monkeypatch.setattr(KVState, "attend", spy)
+    policy = Policy("window_question", "randomized", 0.4, seed=1)
+    generate_variants(model, None, ids, QS, [policy], example_id="e", options=DecodeOptions(2))
+    # direct float64 Hajek ratio: sum (w/pi) v / sum (w/pi) over the kept tokens, the kept (k, v) being rows of
+    # the oracle (full-prefill) cache, pi = exp(-offset)
+    q = seen["q"][0].double()  # (Hq, 1, d)
+    group = q.shape[0] // seen["keys"].shape[1]
+    for h in range(q.shape[0]):
+        kv = h // group
+        k, v, off = seen["keys"][0, kv].double(), seen["values"][0, kv].double(), seen["offset"][0, kv].double()
+        ok = torch.isfinite(off)
+        w = (k[ok] @ q[h, 0] * model.model.layers[0].self_attn.scaling).exp() * (off[ok]).exp()  # w / pi
+        expected = (w[:, None] * v[ok]).sum(0) / w.sum()
+        assert torch.allclose(seen["out"][0, h, 0].double(), expected, atol=1e-6)
+        # every kept prompt key is a row of the oracle cache
+        prompt_rows = k[ok][:-1]  # the last entry is the token appended at this step
+        full = seen["oracle_k"][0, kv].double()
+        dist = torch.cdist(prompt_rows, full).min(-1).values
+        assert dist.max() < 1e-6
