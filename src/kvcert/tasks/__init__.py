@@ -1,0 +1,21 @@
+"""Workloads: RULER-style synthetic tasks over packaged essays, real QA datasets, prompt rendering and scoring."""
+
+from kvcert.tasks.datasets_hf import load_dataset_examples
+from kvcert.tasks.haystack import SOURCES, TaskError
+from kvcert.tasks.render import Rendered, render
+from kvcert.tasks.ruler import MAX_NEW_TOKENS, TASKS, Example, default_depth, make_examples
+from kvcert.tasks.scoring import score
+
+__all__ = [
+    "MAX_NEW_TOKENS",
+    "SOURCES",
+    "TASKS",
+    "Example",
+    "Rendered",
+    "TaskError",
+    "default_depth",
+    "load_dataset_examples",
+    "make_examples",
+    "render",
+    "score",
+]

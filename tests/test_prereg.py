@@ -1,0 +1,102 @@
+"""Lock, verify, deviations and the CLI on a small copy of the pre-registered tree."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcert import prereg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def tree(tmp_path: Path) -> Path:
+    """predictions, plan, two claim configs and two analysis modules, laid out like the repository."""
+    files = {
+        "preregistration/predictions.yaml": "claims: {C1: {threshold: 0.95}}\n",
+        "preregistration/PREREGISTRATION.md": "# plan\n",
+        "preregistration/DEVIATIONS.md": (ROOT / "preregistration" / "DEVIATIONS.md").read_text(),
+        "conf/claim/c1.yaml": "budget: [0.25, 0.5]\n",
+        "conf/claim/c2.yaml": "budget: [0.5]\n",
+        "src/kvcert/analysis/coverage.py": "X = 1\n",
+        "src/kvcert/analysis/claims.py": "Y = 2\n",
+        "src/kvcert/run.py": "not locked\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    return tmp_path
+
+
+def test_lock_covers_the_pre_registered_files_only(tree):
+    record = prereg.lock(tree)
+    assert sorted(record["files"]) == [
+        "conf/claim/c1.yaml", "conf/claim/c2.yaml", "preregistration/PREREGISTRATION.md",
+        "preregistration/predictions.yaml", "src/kvcert/analysis/claims.py", "src/kvcert/analysis/coverage.py",
+    ]
+    on_disk = json.loads((tree / prereg.LOCK_PATH).read_text())
+    assert on_disk["files"] == record["files"] and "created" in on_disk and "git_commit" in on_disk
+    assert prereg.verify(tree)["status"] == "verified"
+    with pytest.raises(FileExistsError):
+        prereg.lock(tree)
+
+
+def test_one_byte_changed_is_a_named_deviation(tree):
+    prereg.lock(tree)
+    path = tree / "conf/claim/c1.yaml"
+    path.write_bytes(path.read_bytes().replace(b"0.25", b"0.26"))
+    res = prereg.verify(tree)
+    assert res["status"] == "deviates" and res["changed"] == ["conf/claim/c1.yaml"]
+    assert res["deviations_recorded"] is False and res["unrecorded"] == ["conf/claim/c1.yaml"]
+    with (tree / prereg.DEVIATIONS_PATH).open("a") as fh:
+        fh.write("\n### 2026-01-02 conf/claim/c1.yaml\nbudget 0.25 -> 0.26, before seeing results\n")
+    assert prereg.verify(tree)["deviations_recorded"] is True
+
+
+def test_missing_and_added_files(tree):
+    prereg.lock(tree)
+    (tree / "src/kvcert/analysis/claims.py").unlink()
+    (tree / "src/kvcert/analysis/extra.py").write_text("Z = 3\n")
+    res = prereg.verify(tree)
+    assert res["status"] == "deviates"
+    assert res["missing"] == ["src/kvcert/analysis/claims.py"] and res["added"] == ["src/kvcert/analysis/extra.py"]
+    assert res["changed"] == []
+
+
+def test_template_examples_do_not_count_as_recorded(tree):
+    prereg.lock(tree)
+    (tree / "preregistration/predictions.yaml").write_text("claims: {}\n")
+    assert prereg.verify(tree)["deviations_recorded"] is False
+
+
+def test_unlocked_tree(tree):
+    assert prereg.verify(tree)["status"] == "unlocked"
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcert.prereg", *args], capture_output=True, text=True,
+                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+
+
+def test_cli_exit_codes(tree):
+    assert _cli("verify", "--root", str(tree)).returncode == 1  # not locked yet
+    assert _cli("lock", "--root", str(tree)).returncode == 0
+    assert _cli("lock", "--root", str(tree)).returncode == 1  # refuses to re-lock
+    assert _cli("verify", "--root", str(tree)).returncode == 0
+    (tree / "preregistration/PREREGISTRATION.md").write_text("# plan, edited\n")
+    failed = _cli("verify", "--root", str(tree))
+    assert failed.returncode == 1
+    lines = failed.stderr.strip().splitlines()
+    assert len(lines) == 1 and "preregistration/PREREGISTRATION.md" in lines[0]
+    allowed = _cli("verify", "--allow-deviations", "--root", str(tree))
+    assert allowed.returncode == 0 and allowed.stderr.startswith("warning:")
+
+
+def test_repository_files_exist_for_the_lock():
+    for rel in prereg.LOCKED_FILES:
+        assert (ROOT / rel).is_file(), rel
