@@ -50,7 +50,7 @@ class PolicyConfig:
 
 
 @dataclass
-class BudgetConfig:
+class BudgetsConfig:
     fractions: list[float] = field(default_factory=lambda: [0.5])
 
 
@@ -73,7 +73,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    budgets: BudgetsConfig = field(default_factory=BudgetsConfig)
+    budget: float | None = None
     decode: DecodeConfig = field(default_factory=DecodeConfig)
     records: RecordsConfig = field(default_factory=RecordsConfig)
     claim: dict[str, Any] | None = None
@@ -103,9 +104,11 @@ def validate(cfg: DictConfig) -> None:
         _one_of(f"policy.grid[{i}].scorer", entry.scorer, set(SCORERS) - {"none"})
         for design in entry.designs:
             _one_of(f"policy.grid[{i}].designs", design, set(DESIGN_NAMES) - {"full"})
-    for b in cfg.budget.fractions:
+    if cfg.budget is not None and not 0.0 < cfg.budget <= 1.0:
+        raise ConfigError(f"budget={cfg.budget!r}; a budget is the kept fraction of the prompt, in (0, 1]")
+    for b in cfg.budgets.fractions:
         if not isinstance(b, (int, float)) or not 0.0 < float(b) <= 1.0:
-            raise ConfigError(f"budget.fractions contains {b!r}; a budget is the kept fraction of the prompt, in (0, 1]")
+            raise ConfigError(f"budgets.fractions contains {b!r}; a budget is a kept fraction of the prompt, in (0, 1]")
     if not 0.0 <= cfg.policy.tail_fraction < 1.0:
         raise ConfigError(f"policy.tail_fraction={cfg.policy.tail_fraction!r} must be in [0, 1)")
     if not 0.0 <= cfg.policy.floor <= 1.0:
@@ -137,12 +140,17 @@ def policies(cfg: DictConfig) -> list[Policy]:
     p = cfg.policy
     for entry in p.grid:
         for design in entry.designs:
-            for b in cfg.budget.fractions:
+            for b in budget_list(cfg):
                 out.append(Policy(entry.scorer, design, float(b), p.tail_fraction, p.floor, p.score_power, cfg.seed))
     return out
 
 
-RESULT_KEYS = ("model", "task", "policy", "budget", "decode", "records", "seed")
+def budget_list(cfg: DictConfig) -> list[float]:
+    """The budgets of a cell: the single `budget` when set, else the `budgets` grid."""
+    return [float(cfg.budget)] if cfg.budget is not None else [float(b) for b in cfg.budgets.fractions]
+
+
+RESULT_KEYS = ("model", "task", "policy", "budgets", "budget", "decode", "records", "seed")
 
 
 def result_name(cfg: DictConfig) -> str:
@@ -157,5 +165,5 @@ def result_name(cfg: DictConfig) -> str:
     if len(task) > 40:
         task = f"{len(cfg.task.tasks)}tasks"
     lengths = "-".join(str(n) for n in cfg.task.context_tokens)
-    budgets = "-".join(f"{b:g}" for b in cfg.budget.fractions)
+    budgets = "-".join(f"{b:g}" for b in budget_list(cfg))
     return f"{model}__{task}__{lengths}__{cfg.policy.name}__b{budgets}__s{cfg.seed}__{digest}"

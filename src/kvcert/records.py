@@ -111,9 +111,13 @@ class ShardStore:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.shards = self.run_dir / "shards"
+
+    def open(self) -> ShardStore:
+        """Create the folders and drop temp files a killed run left behind."""
         self.shards.mkdir(parents=True, exist_ok=True)
-        for tmp in self.shards.glob("*.tmp"):  # left by a killed run
+        for tmp in self.run_dir.rglob("*.tmp"):
             tmp.unlink()
+        return self
 
     def _stem(self, index: int) -> str:
         return f"{index:06d}"
@@ -152,7 +156,8 @@ def git_commit(root: Path) -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--", "src", "conf"))}
+    dirty = bool(git("status", "--porcelain", "--", "src", "conf"))
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty}
 
 
 def provenance(root: Path, seeds: dict, lock_hash: str | None) -> dict:

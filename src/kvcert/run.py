@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kvcert.config import RESULT_KEYS, ConfigError, policies, register_configs, result_name, validate
-from kvcert.records import ShardStore, atomic_text, provenance, step_frame, variant_row
+from kvcert.records import EXAMPLE_COLUMNS, ShardStore, atomic_text, provenance, step_frame, variant_row
 
 ROOT = Path(__file__).resolve().parents[2]
 register_configs()
@@ -74,6 +74,7 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
         dtype = getattr(torch, cfg.model.dtype)
         model, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir, dtype=dtype, device=cfg.device)
     examples = load_examples(cfg, tokenizer)
+    store.open()  # nothing is written before the model and the examples exist
     atomic_text(config_text, saved)
     prov = provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash())
     atomic_text(json.dumps(prov, indent=2), run_dir / "provenance.json")
@@ -81,11 +82,10 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
     variants = policies(cfg)
     d = cfg.decode
     crash_after = int(os.environ.get("KVCERT_CRASH_AFTER", "0"))  # tests: simulate a kill after k shards
-    written = 0
     started = time.perf_counter()
     todo = [i for i in range(len(examples)) if not store.is_done(i)]
     bar = tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None)
-    for index in bar:
+    for written, index in enumerate(bar, start=1):
         ex = examples[index]
         rendered = render(ex, tokenizer)
         options = DecodeOptions(d.max_new_tokens, tuple(rendered.stop_strings), d.oracle, d.certificate,
@@ -96,11 +96,10 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
         for r in results:
             s, ok = score(r.answer, ex)
             rows.append(variant_row(cfg_name(run_dir), ex, len(rendered.input_ids), r, s, ok))
-        frame = pd.DataFrame(rows)
+        frame = pd.DataFrame(rows)[EXAMPLE_COLUMNS]
         frame["full_correct"] = bool(frame.loc[frame.design == "full", "correct"].iloc[0])
         steps = step_frame(cfg_name(run_dir), ex.id, results) if cfg.records.steps == "head" else None
         store.write(index, frame, steps)
-        written += 1
         if crash_after and written >= crash_after:
             raise RuntimeError(f"simulated crash after {written} shards (KVCERT_CRASH_AFTER)")
     examples_df, n_done = store.merge(len(examples))

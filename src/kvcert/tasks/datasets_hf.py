@@ -42,7 +42,7 @@ def _offline_error(name: str, hub: str, config: str | None) -> TaskError:
     args = f"'{hub}'" + (f", '{config}'" if config else "")
     return TaskError(
         f"dataset '{name}' is not available offline: run "
-        f"`python -c \"import datasets; datasets.load_dataset({args})\"` with network, or pass data_dir=<folder>"
+        f'`python -c "import datasets; datasets.load_dataset({args})"` with network, or pass data_dir=<folder>'
     )
 
 

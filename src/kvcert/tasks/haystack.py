@@ -31,6 +31,7 @@ class TaskError(ValueError):
     def __init__(self, message: str) -> None:
         super().__init__(" ".join(str(message).split()))
 
+
 SOURCES: tuple[str, ...] = ("paul_graham", "brown")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(\[])")
 _TOLERANCE = 0.02  # relative token-count tolerance the builder aims for (tests allow 5%)

@@ -38,12 +38,13 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 
 def stop_strings_for(tokenizer, task: str = "") -> tuple[str, ...]:
-    """End-of-turn strings of the template, plus: a blank line for list answers, else the first period or newline
-    (a single answer is complete by then, and the model otherwise keeps talking)."""
+    """End-of-turn strings of the template; for single answers also the first period or newline (the answer is
+    complete by then and the model otherwise keeps talking). List answers start with a blank line, so list tasks
+    stop only at the end of the turn (or at the token limit)."""
     stops = [tok for tok in (tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<end_of_turn>") if tok]
     vocab = tokenizer.get_vocab()
     stops = [s for i, s in enumerate(stops) if s in vocab and s not in stops[:i]]
-    return (*stops, "\n\n") if task in LIST_TASKS or not task else (*stops, "\n", ".")
+    return tuple(stops) if task in LIST_TASKS else (*stops, "\n", ".")
 
 
 def render(example: Example, tokenizer) -> Rendered:

@@ -38,17 +38,18 @@ class Example:
     answer_prefix: str = ""  # start of the assistant turn (RULER's answer prefix); the model continues it
 
 
-_ADJECTIVES = (
+# word lists, as one string each for compactness
+_ADJECTIVES = (  # noqa: SIM905
     "amber ancient bitter brave bright calm clever cold crimson curious dusty eager faint fierce gentle golden grumpy "
     "hollow humble icy jolly lazy lively lonely loud mellow misty noble odd pale proud quiet rapid rusty shy silent "
     "silver sleepy smooth solemn spicy steady sturdy swift tender tiny vivid wandering warm wild witty"
 ).split()
-_NOUNS = (
+_NOUNS = (  # noqa: SIM905
     "anchor badger basket beacon beetle bison canyon castle cedar comet cricket dolphin ember falcon fern fig fjord "
     "garnet glacier harbor heron island jackal kettle lantern lemur magnet maple meadow otter owl parsnip pebble "
     "pigeon quarry quill raven river saddle spruce tapir thistle tiger tulip valley walrus willow yak zebra"
 ).split()
-_SYLLABLES = "bar bel cor dan fel gor hal ker lun mar nor pel quin ros sal tor vel wen zan dri kal mon tis ver".split()
+_SYLLABLES = "bar bel cor dan fel gor hal ker lun mar nor pel quin ros sal tor vel wen zan dri kal mon tis ver".split()  # noqa: SIM905
 _ENDINGS = {"country": ["ia", "ania", "istan", "or"], "place": ["mont", "ford", "heim", "ton", "vale", "burg"]}
 _FACTS = (
     # (fact sentence, question, answer prefix); {a} is an invented name, {b} the answer (another invented name)
@@ -172,7 +173,9 @@ def _variable_tracking(rng: random.Random, depth: float, hops: int = 1):
     decoy_depths = sorted(_other_depths(rng, hops + 1, depth))
     needles += [Needle(f"VAR {decoy[0]} = {other}.", decoy_depths[0])]
     needles += [Needle(f"VAR {b} = VAR {a}.", d) for a, b, d in zip(decoy, decoy[1:], decoy_depths[1:])]
-    question = f"Which variables are assigned the value {value}, directly or through other variables, in the text above?"
+    question = (
+        f"Which variables are assigned the value {value}, directly or through other variables, in the text above?"
+    )
     prefix = f"The variables assigned the value {value} are:"
     return needles, question, tuple(chain), "ruler_all", prefix
 
