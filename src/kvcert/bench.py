@@ -479,12 +479,14 @@ def write_markdown(res: dict, path: Path) -> None:
               "| tokens | variants | peak delta (MB) | baseline RSS (MB) |", "|---|---|---|---|"]
     for r in res["memory"]:
         extra = f" (GPU {r['gpu_peak_delta_mb']:.0f})" if "gpu_peak_delta_mb" in r else ""
-        lines.append(f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | {r['rss_baseline_mb']:.0f} |")
+        base = r["rss_baseline_mb"]
+        lines.append(f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | {base:.0f} |")
     if "num_threads_step_s" in t:
         lines += ["", "## 5. Thread settings (decode step, certificate on, oracle off)", "",
                   "| setting | ms per step |", "|---|---|"]
         lines += [f"| torch.set_num_threads({c}) | {s * 1e3:.1f} |" for c, s in t["num_threads_step_s"].items()]
-        lines += [f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |" for k, s in t["omp_wait_policy_step_s"].items()]
+        omp = t["omp_wait_policy_step_s"].items()
+        lines += [f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |" for k, s in omp]
         lines += ["", f"Faster: {t['best_num_threads']} thread(s); OMP_WAIT_POLICY {t['best_omp_wait_policy']}."]
     hp = res.get("hotpath")
     if hp:

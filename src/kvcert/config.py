@@ -38,6 +38,10 @@ class TaskConfig:
 class PolicyEntry:
     scorer: str = MISSING
     designs: list[str] = MISSING
+    budgets: list[float] | None = None  # this entry's own budgets instead of the cell's (e.g. ablations at one)
+    tail_fraction: float | None = None  # this entry's own design parameters (e.g. a pilot comparing several
+    floor: float | None = None  # settings on one shared prefill); None = the policy-level value
+    score_power: float | None = None
 
 
 @dataclass
@@ -104,17 +108,22 @@ def validate(cfg: DictConfig) -> None:
         _one_of(f"policy.grid[{i}].scorer", entry.scorer, set(SCORERS) - {"none"})
         for design in entry.designs:
             _one_of(f"policy.grid[{i}].designs", design, set(DESIGN_NAMES) - {"full"})
+        for b in entry.get("budgets") or []:
+            if not 0.0 < float(b) <= 1.0:
+                raise ConfigError(f"policy.grid[{i}].budgets contains {b!r}; budgets are kept fractions in (0, 1]")
     if cfg.budget is not None and not 0.0 < cfg.budget <= 1.0:
         raise ConfigError(f"budget={cfg.budget!r}; a budget is the kept fraction of the prompt, in (0, 1]")
     for b in cfg.budgets.fractions:
         if not isinstance(b, (int, float)) or not 0.0 < float(b) <= 1.0:
             raise ConfigError(f"budgets.fractions contains {b!r}; a budget is a kept fraction of the prompt, in (0, 1]")
-    if not 0.0 <= cfg.policy.tail_fraction < 1.0:
-        raise ConfigError(f"policy.tail_fraction={cfg.policy.tail_fraction!r} must be in [0, 1)")
-    if not 0.0 <= cfg.policy.floor <= 1.0:
-        raise ConfigError(f"policy.floor={cfg.policy.floor!r} must be in [0, 1]")
-    if not cfg.policy.score_power > 0:
-        raise ConfigError(f"policy.score_power={cfg.policy.score_power!r} must be > 0")
+    entries = [("policy", cfg.policy)] + [(f"policy.grid[{i}]", e) for i, e in enumerate(cfg.policy.grid)]
+    for where, node in entries:
+        if node.get("tail_fraction") is not None and not 0.0 <= node.tail_fraction < 1.0:
+            raise ConfigError(f"{where}.tail_fraction={node.tail_fraction!r} must be in [0, 1)")
+        if node.get("floor") is not None and not 0.0 <= node.floor <= 1.0:
+            raise ConfigError(f"{where}.floor={node.floor!r} must be in [0, 1]")
+        if node.get("score_power") is not None and not node.score_power > 0:
+            raise ConfigError(f"{where}.score_power={node.score_power!r} must be > 0")
     if cfg.task.dataset is None:
         if not cfg.task.tasks:
             raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
@@ -139,10 +148,12 @@ def policies(cfg: DictConfig) -> list[Policy]:
     out = [FULL]
     p = cfg.policy
     for entry in p.grid:
+        params = {k: p[k] if entry.get(k) is None else entry[k] for k in ("tail_fraction", "floor", "score_power")}
         for design in entry.designs:
-            for b in budget_list(cfg):
-                out.append(Policy(entry.scorer, design, float(b), p.tail_fraction, p.floor, p.score_power, cfg.seed))
-    return out
+            for b in entry.budgets if entry.get("budgets") is not None else budget_list(cfg):
+                out.append(Policy(entry.scorer, design, float(b), seed=cfg.seed, **params))
+    seen = set()
+    return [x for x in out if not (x in seen or seen.add(x))]  # an entry repeated by two grid lines runs once
 
 
 def budget_list(cfg: DictConfig) -> list[float]:
