@@ -1,0 +1,71 @@
+"""The packaged SmolLM2-135M-Instruct inside kvcert: keep-all is exact, the full cache answers a needle."""
+
+import pytest
+import torch
+
+from kvcert.hf.generate import DecodeOptions, generate_variants
+from kvcert.hf.policy import FULL, Policy
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvcert.hf import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def _needle(tokenizer, n_tokens=600, seed=3):
+    from kvcert.tasks import make_examples, render
+
+    ex = make_examples("single_needle", 1, n_tokens, tokenizer, seed=seed)[0]
+    return ex, render(ex, tokenizer)
+
+
+def test_full_cache_answers_a_needle(smollm2):
+    from kvcert.tasks import score
+
+    model, tok = smollm2
+    ex, r = _needle(tok)
+    res = generate_variants(model, tok, r.input_ids, r.question_start, [FULL], example_id=ex.id,
+                            options=DecodeOptions(24, tuple(r.stop_strings)))[0]
+    assert score(res.answer, ex)[1], (res.answer, ex.answers)
+
+
+def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
+    from transformers import DynamicCache
+
+    model, tok = smollm2
+    ex, r = _needle(tok, 400)
+    steps = 6
+    policies = [FULL] + [Policy("window_question", d, 1.0) for d in ["topk", "randomized", "uniform"]]
+    ours = generate_variants(model, tok, r.input_ids, r.question_start, policies, example_id=ex.id,
+                             options=DecodeOptions(steps))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        out = model(torch.tensor([r.input_ids]), cache=cache, use_cache=True)
+        ref_tokens, ref_lp = [], []
+        for _ in range(steps):
+            lp = out.logits[0, -1].float().log_softmax(-1)
+            t = int(lp.argmax())
+            ref_tokens.append(t)
+            ref_lp.append(float(lp[t]))
+            out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+    for res in ours:
+        assert res.tokens == ref_tokens, res.policy.label
+        assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-5, res.policy.label
+
+
+def test_eviction_on_the_real_model_has_real_error_and_a_certificate(smollm2):
+    model, tok = smollm2
+    ex, r = _needle(tok, 600)
+    res = generate_variants(model, tok, r.input_ids, r.question_start,
+                            [Policy("window_question", "randomized", 0.25, seed=1)], example_id=ex.id,
+                            options=DecodeOptions(6))[0]
+    err, var = res.stats["error"], res.stats["variance"]
+    assert err.shape[1:] == (30, 9) and var.shape == err.shape
+    assert (err > 0).mean() > 0.9 and (var > 0).mean() > 0.9  # a real, estimable error
+    radius = 1.96 * var**0.5
+    assert 0.3 < (err <= radius).mean() <= 1.0
