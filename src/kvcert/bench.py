@@ -12,8 +12,8 @@ tokens are the "question"), it measures:
    `kvcert.hf.generate.forward_with_state`, so prefill and compression are excluded), plus the same ratio for the
    attention kernel alone;
 3. cost growth with context length and variants (log-log plot);
-4. peak memory per configuration (max-RSS delta in a fresh subprocess on CPU, `torch.cuda.max_memory_allocated` on
-   GPU);
+4. peak memory per configuration (sampled peak RSS delta in a fresh subprocess on CPU,
+   `torch.cuda.max_memory_allocated` on GPU);
 5. thread settings (torch.set_num_threads 1 vs 2 in-process, OMP_WAIT_POLICY=PASSIVE vs default in subprocesses).
 
 Compared configurations are interleaved (rotated order in every repetition) and summarized by medians. EOS is
@@ -65,8 +65,8 @@ class BenchConfig:
 
 
 FULL_CONFIG = BenchConfig()
-QUICK_CONFIG = BenchConfig(lengths=(1024, 2048), prefill_reps=(2, 1), decode_steps=8, decode_reps=3, attention_reps=30,
-                           thread_reps=2, omp_reps=1, memory_lengths=(1024, 2048), memory_variants=(1, 24))
+QUICK_CONFIG = BenchConfig(lengths=(1024, 2048), prefill_reps=(1, 1), decode_steps=8, decode_reps=3, attention_reps=30,
+                           thread_reps=2, omp_reps=1, memory_lengths=(1024,), memory_variants=(1, 24))
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -276,14 +276,44 @@ def _run_child(args: list[str], env_extra: dict[str, str] | None = None, drop: t
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _maxrss_mb() -> float:
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+def _rss_mb() -> float:
+    """Current resident set size (Linux /proc; falls back to the max-RSS watermark elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+@contextmanager
+def rss_peak_sampler(interval_s: float = 0.002):
+    """Peak current RSS while the block runs (ru_maxrss alone is useless here: model loading sets a higher
+    watermark than the run itself)."""
+    import threading
+
+    peak = [_rss_mb()]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss_mb())
+            stop.wait(interval_s)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        th.join()
+        peak[0] = max(peak[0], _rss_mb())
 
 
 def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) -> dict:
     from kvcert.hf.generate import DecodeOptions
 
+    torch.set_num_threads(1)  # memory does not depend on it; time does (see section 5)
     model, _ = load(model_name, device, dtype)
     ids, qs = synthetic_prompt(model, tokens)
     policies = policy_grid(variants)
@@ -291,13 +321,14 @@ def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) ->
     with no_eos(model):
         # the working set of a tiny warm-up run (allocator, kernels, lazily built modules) is baseline, not config
         run_generate(model, ids[: min(64, tokens)], min(qs, 32), policies[:1], DecodeOptions(2), device)
-        base = _maxrss_mb()
+        base = _rss_mb()
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base_gpu = torch.cuda.memory_allocated() / 2**20
-        run_generate(model, ids, qs, policies, DecodeOptions(max_new_tokens), device)
-    out = dict(rss_baseline_mb=base, rss_peak_mb=_maxrss_mb(), peak_delta_mb=max(_maxrss_mb() - base, 0.0))
+        with rss_peak_sampler() as peak:
+            run_generate(model, ids, qs, policies, DecodeOptions(max_new_tokens), device)
+    out = dict(rss_baseline_mb=base, rss_peak_mb=peak[0], peak_delta_mb=max(peak[0] - base, 0.0))
     if cuda:
         out["gpu_peak_delta_mb"] = torch.cuda.max_memory_allocated() / 2**20 - base_gpu
     return out
@@ -347,7 +378,7 @@ def bench_threads(model, model_name, cfg: BenchConfig, device, dtype, log) -> di
     log("  threads: " + ", ".join(f"{c}: {t * 1e3:.1f} ms/step" for c, t in threads.items()))
     omp: dict[str, list[float]] = {"default": [], "PASSIVE": []}
     if cfg.omp_reps > 0:
-        child = ["decode", "--model", model_name, "--device", device, "--dtype", dtype, "--threads", str(before),
+        child = ["decode", "--model", model_name, "--device", device, "--dtype", dtype, "--threads", str(max(counts)),
                  "--tokens", str(dcfg.decode_tokens), "--variants", str(dcfg.decode_variants),
                  "--steps", str(dcfg.decode_steps), "--reps", "2"]
         for rep in range(cfg.omp_reps):
@@ -475,7 +506,8 @@ def write_markdown(res: dict, path: Path) -> None:
     for k, v in sc.items():
         fmt = lambda m: ", ".join(f"{a}: {b:.2f}" for a, b in m.items())  # noqa: E731
         lines.append(f"| {k} | {fmt(v['vs_tokens'])} | {fmt(v['vs_variants'])} |")
-    lines += ["", "## 4. Peak memory (fresh subprocess per configuration; max-RSS delta over a warmed-up baseline)", "",
+    lines += ["", "## 4. Peak memory (fresh subprocess per configuration; peak sampled RSS over a warmed-up baseline)",
+              "",
               "| tokens | variants | peak delta (MB) | baseline RSS (MB) |", "|---|---|---|---|"]
     for r in res["memory"]:
         extra = f" (GPU {r['gpu_peak_delta_mb']:.0f})" if "gpu_peak_delta_mb" in r else ""
@@ -561,7 +593,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=2, help=argparse.SUPPRESS)
-    ap.add_argument("--threads", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1, see section 5)")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -578,6 +610,8 @@ def main(argv=None) -> int:
         print(json.dumps(child_decode(args.model, args.device, dtype, cfg, args.threads or torch.get_num_threads())))
         return 0
     cfg = QUICK_CONFIG if args.quick else FULL_CONFIG
+    if args.device == "cpu":  # 1 thread by default: on a shared 2-core machine 2 spinning OpenMP threads lose badly
+        torch.set_num_threads(args.threads or 1)
     model, _ = load(args.model, args.device, dtype)
     res = run_bench(model, args.model, cfg, args.device, dtype, Path(args.out), args.quick, Path(args.figure),
                     log=lambda m: print(m, flush=True))
