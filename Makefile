@@ -36,8 +36,9 @@ test-fast: $(STAMP) ## unit tests only (no packaged model)
 lint: $(STAMP) ## ruff
 	$(PY) -m ruff check src tests
 
-smoke: $(STAMP) ## every design on a tiny grid, under 3 minutes
-	$(PY) -m kvcert.run +debug=smoke
+smoke: $(STAMP) ## under 3 minutes: the claim pipeline on a tiny profile (-> results/smoke/) + a cell with every scorer
+	$(PY) -m kvcert.claims smoke
+	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 
 run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." for overrides
 	$(PY) -m kvcert.run $(ARGS)

@@ -49,7 +49,8 @@ def load_examples(cfg: DictConfig, tokenizer) -> list:
 
 
 def _record_config(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "claim", "name") if k in cfg]))
+    # the claim id is left out: C1-C7 state the same data and share one folder
+    return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "name") if k in cfg]))
 
 
 def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
