@@ -578,6 +578,60 @@ def run_bench(model, model_name: str, cfg: BenchConfig, device: str, dtype: str,
     return res
 
 
+# -------------------------------------------------------------------------------- integration table (issue 3)
+def bench_integration(model_name: str, device: str, dtype: str, out_dir: Path, log=print) -> dict:
+    """Load time (first conversion into a fresh cache, then cached), prefill at 1k and 4k tokens, and decode ms per
+    step with / without the certificate and the oracle for 1 and 24 variants."""
+    import tempfile
+
+    from kvcert.hf.attention import forward_with_state, use_kvcert_attention
+    from kvcert.hf.loading import load_model
+    from kvcert.hf.state import KVState
+
+    res: dict = {"device": device, "dtype": dtype, "threads": torch.get_num_threads()}
+    with tempfile.TemporaryDirectory() as cache:
+        t0 = time.perf_counter()
+        load_model(model_name, cache_dir=cache, dtype=getattr(torch, dtype), device=device)
+        res["load_first_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model, _ = load_model(model_name, cache_dir=cache, dtype=getattr(torch, dtype), device=device)
+        res["load_cached_s"] = time.perf_counter() - t0
+    use_kvcert_attention(model)
+    res["prefill_s"] = {}
+    for n in (1024, 4096):
+        ids, _ = synthetic_prompt(model, n)
+        times = []
+        for _ in range(2):
+            state = KVState(model.config.num_hidden_layers, "record")
+            _sync(device)
+            t0 = time.perf_counter()
+            forward_with_state(model, torch.tensor([ids], device=device), torch.arange(n, device=device)[None], state)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        res["prefill_s"][n] = min(times)
+        log(f"  prefill {n} tokens: {res['prefill_s'][n]:.2f} s")
+    res["decode_ms"] = {}
+    with no_eos(model):
+        for variants in (1, 24):
+            cfg = replace(FULL_CONFIG, decode_tokens=1024, decode_variants=variants, decode_steps=8, decode_reps=3)
+            d = bench_decode(model, cfg, device, log)
+            res["decode_ms"][variants] = {k: v["step_s"] * 1e3 for k, v in d.items()}
+    lines = ["| measurement | value |", "|---|---|",
+             f"| load, first (GGUF dequantize + convert to safetensors) | {res['load_first_s']:.1f} s |",
+             f"| load, cached safetensors | {res['load_cached_s']:.1f} s |"]
+    lines += [f"| prefill, {n} tokens (exact attention, records the oracle) | {t:.2f} s |"
+              for n, t in res["prefill_s"].items()]
+    for variants, d in res["decode_ms"].items():
+        lines.append(f"| decode step, {variants} variant(s), 1k tokens: plain / + certificate / + oracle | "
+                     f"{d['plain']:.0f} / {d['certificate']:.0f} / {d['certificate+oracle']:.0f} ms |")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tag = torch.device(device).type
+    (out_dir / f"integration_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")
+    (out_dir / f"integration_{tag}.md").write_text(
+        f"# kvcert inside transformers ({tag}, {dtype}, {res['threads']} threads)\n\n" + "\n".join(lines) + "\n")
+    return res
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcert.bench", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer lengths and repetitions (about 5-8 minutes on CPU)")
@@ -594,6 +648,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8, help=argparse.SUPPRESS)
     ap.add_argument("--reps", type=int, default=2, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1, see section 5)")
+    ap.add_argument("--integration", action="store_true",
+                    help="only the load / prefill / decode-step table of the HF integration")
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -612,6 +668,10 @@ def main(argv=None) -> int:
     cfg = QUICK_CONFIG if args.quick else FULL_CONFIG
     if args.device == "cpu":  # 1 thread by default: on a shared 2-core machine 2 spinning OpenMP threads lose badly
         torch.set_num_threads(args.threads or 1)
+    if args.integration:
+        bench_integration(args.model, args.device, dtype, Path(args.out), log=lambda m: print(m, flush=True))
+        print((Path(args.out) / f"integration_{torch.device(args.device).type}.md").read_text())
+        return 0
     model, _ = load(args.model, args.device, dtype)
     res = run_bench(model, args.model, cfg, args.device, dtype, Path(args.out), args.quick, Path(args.figure),
                     log=lambda m: print(m, flush=True))
