@@ -4,6 +4,7 @@ random-init Llama with the same vocabulary, so runner tests exercise real prompt
 from pathlib import Path
 
 import pytest
+import torch
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -24,6 +25,24 @@ def tiny_smol(smol_tokenizer):
 
     model, _ = tiny_random_model("llama", vocab_size=len(smol_tokenizer), max_position_embeddings=4096)
     return model, smol_tokenizer
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Reference decoding: plain transformers with its own DynamicCache and SDPA (tokens, their log-probs)."""
+    from transformers import DynamicCache
+
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        lp = out.logits[0, -1].float().log_softmax(-1)
+        t = int(lp.argmax())
+        tokens.append(t)
+        logprobs.append(float(lp[t]))
+        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+    return tokens, logprobs
 
 
 def compose(overrides: list[str] | None = None):

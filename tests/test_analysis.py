@@ -16,7 +16,9 @@ from kvcert.analysis.claims import condition_status, evaluate_claim, evaluate_t1
 
 ROOT = Path(__file__).resolve().parents[1]
 NB = 200  # bootstrap resamples in tests: enough for the checks, fast
-DESIGN = {"tail_fraction": 0.5, "floor": 0.1, "score_power": 1.0}
+# the locked design parameters, as predictions.yaml states them (synthetic rows must match its row filters)
+DESIGN = {k: float(load_predictions(ROOT / "preregistration" / "predictions.yaml")["C1"]["rows"][k])
+          for k in ("tail_fraction", "floor", "score_power")}
 
 
 def row(**over) -> dict:
@@ -82,7 +84,8 @@ def synthetic_steps(examples: pd.DataFrame, inflate: float = 1.0, cells: int = 3
 
 
 def filled_spec(claim_id: str, budget: float = 0.5) -> dict:
-    """The draft predictions.yaml entry with pilot placeholders filled by the synthetic design, n_boot small."""
+    """The predictions.yaml entry, n_boot small; a claim analysed at one budget (C4, C6, C7) is moved to `budget`,
+    where the synthetic records have failures of both kinds in numbers (placeholders, if any, are filled too)."""
     spec = copy.deepcopy(load_predictions(ROOT / "preregistration" / "predictions.yaml")[claim_id])
 
     def fill(obj):
@@ -92,6 +95,8 @@ def filled_spec(claim_id: str, budget: float = 0.5) -> dict:
         return obj
 
     spec = fill(spec)
+    if isinstance(spec.get("rows", {}).get("budget"), (int, float)):
+        spec["rows"]["budget"] = budget
     spec["n_boot"] = NB
     assert not find_tbd(spec)
     return spec
@@ -276,14 +281,17 @@ def test_condition_rules():
                             {"direction": ">", "threshold": 0}) == "undecided"
 
 
-def test_draft_predictions_have_every_claim_and_tbd_blocks_evaluation():
+def test_predictions_have_every_claim_and_tbd_blocks_evaluation():
     preds = load_predictions(ROOT / "preregistration" / "predictions.yaml")
     assert set(preds) == {"C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1"}
     for cid, spec in preds.items():
         assert {"claim", "prediction", "primary_metric", "paper_verdict"} <= set(spec), cid
+        assert not find_tbd(spec), cid  # the locked file has every pilot value filled in
     ex = synthetic_examples(n=20)
+    pending = copy.deepcopy(preds["C4"])
+    pending["rows"]["budget"] = "TBD_PILOT"
     with pytest.raises(ValueError, match="TBD_PILOT"):
-        evaluate_claim("C4", ex, None, preds["C4"])
+        evaluate_claim("C4", ex, None, pending)
 
 
 @pytest.fixture(scope="module")

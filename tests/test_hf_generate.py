@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from conftest import hf_greedy
 from kvcert.core import gather_tokens
 from kvcert.hf import tiny_random_model
 from kvcert.hf.generate import DecodeOptions, generate_variants
@@ -20,27 +21,11 @@ def _prompt(seed=0):
     return torch.randint(0, 128, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@torch.no_grad()
-def _hf_greedy(model, ids, steps):
-    """Reference: plain transformers decoding with its own DynamicCache and SDPA."""
-    model.set_attn_implementation("sdpa")
-    cache = DynamicCache(config=model.config)
-    out = model(torch.tensor([ids]), cache=cache, use_cache=True)
-    tokens, logprobs = [], []
-    for _ in range(steps):
-        lp = out.logits[0, -1].float().log_softmax(-1)
-        t = int(lp.argmax())
-        tokens.append(t)
-        logprobs.append(float(lp[t]))
-        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
-    return tokens, logprobs
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
     model, _ = tiny_random_model(arch)
     ids = _prompt()
-    ref_tokens, ref_lp = _hf_greedy(model, ids, STEPS)
+    ref_tokens, ref_lp = hf_greedy(model, ids, STEPS)
     policies = [FULL] + [Policy(s, d, 1.0) for s in ["window_question", "window_context", "streaming"] for d in DESIGNS]
     results = generate_variants(model, None, ids, QS, policies, example_id="e", options=DecodeOptions(STEPS))
     for r in results:

@@ -1,8 +1,8 @@
 """The packaged SmolLM2-135M-Instruct inside kvcert: keep-all is exact, the full cache answers a needle."""
 
 import pytest
-import torch
 
+from conftest import hf_greedy
 from kvcert.hf.generate import DecodeOptions, generate_variants
 from kvcert.hf.policy import FULL, Policy
 
@@ -34,25 +34,13 @@ def test_full_cache_answers_a_needle(smollm2):
 
 
 def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
-    from transformers import DynamicCache
-
     model, tok = smollm2
     ex, r = _needle(tok, 400)
     steps = 6
     policies = [FULL] + [Policy("window_question", d, 1.0) for d in ["topk", "randomized", "uniform"]]
     ours = generate_variants(model, tok, r.input_ids, r.question_start, policies, example_id=ex.id,
                              options=DecodeOptions(steps))
-    model.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        out = model(torch.tensor([r.input_ids]), cache=cache, use_cache=True)
-        ref_tokens, ref_lp = [], []
-        for _ in range(steps):
-            lp = out.logits[0, -1].float().log_softmax(-1)
-            t = int(lp.argmax())
-            ref_tokens.append(t)
-            ref_lp.append(float(lp[t]))
-            out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+    ref_tokens, ref_lp = hf_greedy(model, r.input_ids, steps)
     for res in ours:
         assert res.tokens == ref_tokens, res.policy.label
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-5, res.policy.label
