@@ -96,20 +96,16 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
         rows = []
         for r in results:
             s, ok = score(r.answer, ex)
-            rows.append(variant_row(cfg_name(run_dir), ex, len(rendered.input_ids), r, s, ok))
+            rows.append(variant_row(run_dir.name, ex, len(rendered.input_ids), r, s, ok))
         frame = pd.DataFrame(rows)[EXAMPLE_COLUMNS]
         frame["full_correct"] = bool(frame.loc[frame.design == "full", "correct"].iloc[0])
-        steps = step_frame(cfg_name(run_dir), ex.id, results) if cfg.records.steps == "head" else None
+        steps = step_frame(run_dir.name, ex.id, results) if cfg.records.steps == "head" else None
         store.write(index, frame, steps)
         if crash_after and written >= crash_after:
             raise RuntimeError(f"simulated crash after {written} shards (KVCERT_CRASH_AFTER)")
-    examples_df, n_done = store.merge(len(examples))
+    examples_df, _ = store.merge(len(examples))
     _summary(run_dir.name, examples_df, time.perf_counter() - started)
     return run_dir
-
-
-def cfg_name(run_dir: Path) -> str:
-    return run_dir.name
 
 
 def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
