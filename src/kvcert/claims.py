@@ -170,7 +170,7 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
 def analyze(profile: str = "confirmatory") -> dict:
     from kvcert.analysis.claims import evaluate_claim, evaluate_t1, load_predictions
     from kvcert.analysis.figures import make_figures
-    from kvcert.analysis.scorecard import build_scorecard, write_scorecard
+    from kvcert.analysis.scorecard import build_scorecard, jsonable, write_scorecard
     from kvcert.prereg import verify
 
     prof = PROFILES[profile]
@@ -200,19 +200,13 @@ def analyze(profile: str = "confirmatory") -> dict:
         write_tables(*main_records, out, n_boot=500)
     for cid, r in results.items():
         (out / "tables").mkdir(parents=True, exist_ok=True)
-        (out / "tables" / f"claim_{cid.lower()}.json").write_text(json.dumps(_jsonable(r), indent=2))
+        (out / "tables" / f"claim_{cid.lower()}.json").write_text(json.dumps(jsonable(r), indent=2))
     card = build_scorecard([results[c] for c in CLAIMS if c in results], verify(ROOT))
     card["profile"] = profile
     card["runs"] = sorted({str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in cache})
     paths = write_scorecard(card, out, [Path(f) for f in figures])
     print(f"[kvcert] scorecard: {paths['md']}")
     return card
-
-
-def _jsonable(obj):
-    from kvcert.analysis.scorecard import jsonable
-
-    return jsonable(obj)
 
 
 # --------------------------------------------------------------------------------------------------------- pilot

@@ -76,7 +76,7 @@ def _build_state(
             omp[row, :, :ts] = c.one_minus_pi[layer]
         vsq = values[:, :, :slots].float().square().sum(-1)
         state.layers[layer] = LayerBuffers(
-            keys, values, offset.to(keys.dtype), omp.to(keys.dtype), vsq.to(keys.dtype), slots, width, width
+            keys, values, offset, omp, vsq, slots, width, width  # offsets and 1 - pi stay fp32 (exact under bf16)
         )
     if oracle:
         state.oracle_keys = [k[:, :, :region] for k in full_keys]
