@@ -7,10 +7,9 @@ from transformers import DynamicCache
 
 from conftest import hf_greedy
 from kvcert.core import gather_tokens
-from kvcert.hf import tiny_random_model
-from kvcert.hf.generate import DecodeOptions, generate_variants
-from kvcert.hf.policy import FULL, Policy
-from kvcert.hf.state import KVState
+from kvcert.hf import DecodeOptions, Prefill, Prompt, generate_variants, tiny_random_model
+from kvcert.hf.attention import CompressedState
+from kvcert.policy import FULL, Policy
 
 DESIGNS = ["topk", "randomized", "randomized_no_offset", "uniform"]
 SCORERS = ["window_question", "window_context", "streaming", "key_norm", "random"]
@@ -18,16 +17,18 @@ N, QS, STEPS = 160, 130, 6
 
 
 def _prompt(seed=0):
-    return torch.randint(0, 128, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids = torch.randint(0, 128, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return Prompt(input_ids=ids, question_start=QS, example_id="e")
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
     model, _ = tiny_random_model(arch)
     ids = _prompt()
-    ref_tokens, ref_lp = hf_greedy(model, ids, STEPS)
-    policies = [FULL] + [Policy(s, d, 1.0) for s in ["window_question", "window_context", "streaming"] for d in DESIGNS]
-    results = generate_variants(model, None, ids, QS, policies, example_id="e", options=DecodeOptions(STEPS))
+    ref_tokens, ref_lp = hf_greedy(model, ids.input_ids, STEPS)
+    policies = [FULL] + [Policy(scorer=s, design=d, budget=1.0) for s in ["window_question", "window_context",
+                                                                         "streaming"] for d in DESIGNS]
+    results = generate_variants(model, None, ids, policies, DecodeOptions(max_new_tokens=STEPS))
     for r in results:
         assert r.tokens == ref_tokens, r.policy.label
         assert max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5, r.policy.label
@@ -38,26 +39,20 @@ def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
 
 def _kept_cache(model, ids, policy):
     """HF DynamicCache holding exactly the kept keys/values of a top-k policy (equal counts per head)."""
-    from kvcert.hf.attention import forward_with_state, use_kvcert_attention
-    from kvcert.hf.policy import compress
-
-    use_kvcert_attention(model)
-    rec = KVState(model.config.num_hidden_layers, "record", capture={"question": slice(QS, N)})
-    forward_with_state(model, torch.tensor([ids]), torch.arange(N)[None], rec)
-    scale = model.model.layers[0].self_attn.scaling
-    comp = compress(policy, rec.full_keys, N, (QS, N), rec.captured["question"], scale, "e")
+    prefill = Prefill.record(model, ids)
+    comp = prefill._compress_one(policy, pool_kernel=5)
     cache = DynamicCache(config=model.config)
     for layer, idx in enumerate(comp.indices):
-        cache.update(gather_tokens(rec.full_keys[layer][0], idx)[None],
-                     gather_tokens(rec.full_values[layer][0], idx)[None], layer)
+        cache.update(gather_tokens(prefill.full_keys[layer][0], idx)[None],
+                     gather_tokens(prefill.full_values[layer][0], idx)[None], layer)
     return cache
 
 
 def test_compressed_cache_keeps_original_positions():
     model, _ = tiny_random_model("llama")
     ids = _prompt(1)
-    policy = Policy("window_question", "topk", 0.4)
-    ours = generate_variants(model, None, ids, QS, [policy], example_id="e", options=DecodeOptions(3))[0]
+    policy = Policy(scorer="window_question", design="topk", budget=0.4)
+    ours = generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=3))[0]
     first = ours.tokens[0]
 
     def step_logprob(position):
@@ -77,10 +72,11 @@ def test_compressed_cache_keeps_original_positions():
 def test_batched_variants_equal_each_variant_alone():
     model, _ = tiny_random_model("qwen2")
     ids = _prompt(2)
-    policies = [FULL] + [Policy(s, d, b, seed=3) for s in SCORERS for d in ["topk", "randomized"] for b in (0.3, 0.6)]
-    together = generate_variants(model, None, ids, QS, policies, example_id="e", options=DecodeOptions(5))
+    policies = [FULL] + [Policy(scorer=s, design=d, budget=b, seed=3) for s in SCORERS for d in ["topk", "randomized"]
+                         for b in (0.3, 0.6)]
+    together = generate_variants(model, None, ids, policies, DecodeOptions(max_new_tokens=5))
     for p, r in zip(policies, together):
-        alone = generate_variants(model, None, ids, QS, [p], example_id="e", options=DecodeOptions(5))[0]
+        alone = generate_variants(model, None, ids, [p], DecodeOptions(max_new_tokens=5))[0]
         assert alone.tokens == r.tokens, p.label
         assert max(abs(a - b) for a, b in zip(alone.logprobs, r.logprobs)) < 1e-5
         assert alone.kept_tokens == r.kept_tokens
@@ -93,7 +89,7 @@ def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
     model, _ = tiny_random_model("llama")
     ids = _prompt(3)
     seen = {}
-    original = KVState.attend
+    original = CompressedState.attend
 
     def spy(self, layer, query, key, value, scale):
         out = original(self, layer, query, key, value, scale)
@@ -101,12 +97,12 @@ def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
             buf = self.layers[0]
             seen.update(q=query.clone(), out=out.clone(), keys=buf.keys[:, :, : buf.length].clone(),
                         values=buf.values[:, :, : buf.length].clone(), offset=buf.offset[:, :, : buf.length].clone(),
-                        oracle_k=self.oracle_keys[0].clone(), oracle_v=self.oracle_values[0].clone())
+                        oracle_k=self._oracle_kt[0].transpose(-1, -2)[None].clone())
         return out
 
-    monkeypatch.setattr(KVState, "attend", spy)
-    policy = Policy("window_question", "randomized", 0.4, seed=1)
-    generate_variants(model, None, ids, QS, [policy], example_id="e", options=DecodeOptions(2))
+    monkeypatch.setattr(CompressedState, "attend", spy)
+    policy = Policy(scorer="window_question", design="randomized", budget=0.4, seed=1)
+    generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=2))
     # direct float64 Hajek ratio: sum (w/pi) v / sum (w/pi) over the kept tokens, the kept (k, v) being rows of
     # the oracle (full-prefill) cache, pi = exp(-offset)
     q = seen["q"][0].double()  # (Hq, 1, d)

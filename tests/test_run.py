@@ -47,7 +47,7 @@ def test_debug_claim_and_launcher_configs_compose():
         (["budgets.fractions=[0.5,1.5]"], "budgets.fractions contains 1.5"),
         (["budget=1.5"], "budget=1.5; a budget is the kept fraction"),
         (["budgets.fractions=[0]"], "budgets.fractions contains 0"),
-        (["policy.tail_fraction=1.0"], "policy.tail_fraction=1.0 must be in [0, 1)"),
+        (["policy.tail_fraction=1.0"], "policy.tail_fraction=1.0: tail_fraction must be in [0, 1)"),
         (["task.tasks=[needle]"], "task.tasks='needle' is not allowed"),
     ],
 )
@@ -80,10 +80,10 @@ TINY = ["task.tasks=[single_needle,fact_qa]", "task.n_examples=2", "task.context
         "{scorer: window_context, designs: [randomized]}, {scorer: streaming, designs: [topk]}]"]
 
 
-def _cell(tmp_path, tiny_smol, extra=()):
+def _cell(tmp_path, tiny_smol, extra=(), after_shard=None):
     cfg = compose([f"results_dir={tmp_path}", *TINY, *extra])
     model, tok = tiny_smol
-    return run_cell(cfg, model=model, tokenizer=tok)
+    return run_cell(cfg, model=model, tokenizer=tok, after_shard=after_shard)
 
 
 def _frames(run_dir):
@@ -115,16 +115,19 @@ def test_same_config_same_records(tmp_path, tiny_smol):
     pd.testing.assert_frame_equal(a[1], b[1])
 
 
-def test_killed_run_resumes_to_exactly_the_uninterrupted_rows(tmp_path, tiny_smol, monkeypatch, capsys):
+def test_killed_run_resumes_to_exactly_the_uninterrupted_rows(tmp_path, tiny_smol, capsys):
     reference = _frames(_cell(tmp_path / "ref", tiny_smol))
-    monkeypatch.setenv("KVCERT_CRASH_AFTER", "2")
+
+    def crash_after_two(written):
+        if written >= 2:
+            raise RuntimeError(f"simulated crash after {written} shards")
+
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _cell(tmp_path / "kill", tiny_smol)
+        _cell(tmp_path / "kill", tiny_smol, after_shard=crash_after_two)
     run_dir = next((tmp_path / "kill").iterdir())
     assert len(list((run_dir / "shards").glob("*.examples.parquet"))) == 2
     assert not (run_dir / "COMPLETE").exists()
     (run_dir / "shards" / "000002.examples.parquet.tmp").write_bytes(b"half a file")  # a kill mid-write
-    monkeypatch.delenv("KVCERT_CRASH_AFTER")
     resumed = _frames(_cell(tmp_path / "kill", tiny_smol))
     pd.testing.assert_frame_equal(resumed[0], reference[0])
     pd.testing.assert_frame_equal(resumed[1], reference[1])

@@ -3,8 +3,8 @@
 import pytest
 
 from conftest import hf_greedy
-from kvcert.hf.generate import DecodeOptions, generate_variants
-from kvcert.hf.policy import FULL, Policy
+from kvcert.hf import DecodeOptions, generate_variants
+from kvcert.policy import FULL, Policy
 
 pytestmark = pytest.mark.slow
 
@@ -28,8 +28,7 @@ def test_full_cache_answers_a_needle(smollm2):
 
     model, tok = smollm2
     ex, r = _needle(tok)
-    res = generate_variants(model, tok, r.input_ids, r.question_start, [FULL], example_id=ex.id,
-                            options=DecodeOptions(24, tuple(r.stop_strings)))[0]
+    res = generate_variants(model, tok, r, [FULL], DecodeOptions(stop_strings=r.stop_strings))[0]
     assert score(res.answer, ex)[1], (res.answer, ex.answers)
 
 
@@ -37,9 +36,9 @@ def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
     model, tok = smollm2
     ex, r = _needle(tok, 400)
     steps = 6
-    policies = [FULL] + [Policy("window_question", d, 1.0) for d in ["topk", "randomized", "uniform"]]
-    ours = generate_variants(model, tok, r.input_ids, r.question_start, policies, example_id=ex.id,
-                             options=DecodeOptions(steps))
+    policies = [FULL] + [Policy(scorer="window_question", design=d, budget=1.0) for d in ["topk", "randomized",
+                                                                                          "uniform"]]
+    ours = generate_variants(model, tok, r, policies, DecodeOptions(max_new_tokens=steps))
     ref_tokens, ref_lp = hf_greedy(model, r.input_ids, steps)
     for res in ours:
         assert res.tokens == ref_tokens, res.policy.label
@@ -49,9 +48,8 @@ def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
 def test_eviction_on_the_real_model_has_real_error_and_a_certificate(smollm2):
     model, tok = smollm2
     ex, r = _needle(tok, 600)
-    res = generate_variants(model, tok, r.input_ids, r.question_start,
-                            [Policy("window_question", "randomized", 0.25, seed=1)], example_id=ex.id,
-                            options=DecodeOptions(6))[0]
+    res = generate_variants(model, tok, r, [Policy(scorer="window_question", design="randomized", budget=0.25, seed=1)],
+                            DecodeOptions(max_new_tokens=6))[0]
     err, var = res.stats["error"], res.stats["variance"]
     assert err.shape[1:] == (30, 9) and var.shape == err.shape
     assert (err > 0).mean() > 0.9 and (var > 0).mean() > 0.9  # a real, estimable error

@@ -10,7 +10,11 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from kvcert.hf.policy import DESIGN_NAMES, SCORERS, Policy
+from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
+from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
+
+SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished")}  # change speed, not records: left out of folder hashes
+OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
 
 class ConfigError(ValueError):
@@ -42,6 +46,8 @@ class PolicyEntry:
     tail_fraction: float | None = None  # this entry's own design parameters (e.g. a pilot comparing several
     floor: float | None = None  # settings on one shared prefill); None = the policy-level value
     score_power: float | None = None
+    compress_after: str | None = None  # prompt | context; None = the scorer's default (README: kvpress)
+    protect_question: bool | None = None  # keep the question's tokens (compress_after=prompt); None = default
 
 
 @dataclass
@@ -60,11 +66,13 @@ class BudgetsConfig:
 
 @dataclass
 class DecodeConfig:
-    max_new_tokens: int = 12
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     oracle: bool = True
     certificate: bool = True
     context_window: int = 32
     pool_kernel: int = 5
+    one_batch: bool = True  # speed only (not hashed): both compression times decode as one batch
+    drop_finished: bool = True  # speed only (not hashed): finished variants leave the batch
 
 
 @dataclass
@@ -105,25 +113,18 @@ def validate(cfg: DictConfig) -> None:
     if not cfg.policy.grid:
         raise ConfigError("policy.grid is empty; add entries like {scorer: window_question, designs: [randomized]}")
     for i, entry in enumerate(cfg.policy.grid):
-        _one_of(f"policy.grid[{i}].scorer", entry.scorer, set(SCORERS) - {"none"})
+        _one_of(f"policy.grid[{i}].scorer", entry.scorer, set(SCORER_NAMES) - {"none"})
         for design in entry.designs:
             _one_of(f"policy.grid[{i}].designs", design, set(DESIGN_NAMES) - {"full"})
-        for b in entry.get("budgets") or []:
-            if not 0.0 < float(b) <= 1.0:
-                raise ConfigError(f"policy.grid[{i}].budgets contains {b!r}; budgets are kept fractions in (0, 1]")
     if cfg.budget is not None and not 0.0 < cfg.budget <= 1.0:
         raise ConfigError(f"budget={cfg.budget!r}; a budget is the kept fraction of the prompt, in (0, 1]")
     for b in cfg.budgets.fractions:
         if not isinstance(b, (int, float)) or not 0.0 < float(b) <= 1.0:
             raise ConfigError(f"budgets.fractions contains {b!r}; a budget is a kept fraction of the prompt, in (0, 1]")
-    entries = [("policy", cfg.policy)] + [(f"policy.grid[{i}]", e) for i, e in enumerate(cfg.policy.grid)]
-    for where, node in entries:
-        if node.get("tail_fraction") is not None and not 0.0 <= node.tail_fraction < 1.0:
-            raise ConfigError(f"{where}.tail_fraction={node.tail_fraction!r} must be in [0, 1)")
-        if node.get("floor") is not None and not 0.0 <= node.floor <= 1.0:
-            raise ConfigError(f"{where}.floor={node.floor!r} must be in [0, 1]")
-        if node.get("score_power") is not None and not node.score_power > 0:
-            raise ConfigError(f"{where}.score_power={node.score_power!r} must be > 0")
+    try:  # the range checks live in Policy: build every variant once and report its complaint in one line
+        policies(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if cfg.task.dataset is None:
         if not cfg.task.tasks:
             raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
@@ -143,15 +144,22 @@ def validate(cfg: DictConfig) -> None:
 
 def policies(cfg: DictConfig) -> list[Policy]:
     """The variants of a cell: the full-cache reference, then grid x budgets, in config order."""
-    from kvcert.hf.policy import FULL
-
     out = [FULL]
     p = cfg.policy
-    for entry in p.grid:
+    for i, entry in enumerate(p.grid):
         params = {k: p[k] if entry.get(k) is None else entry[k] for k in ("tail_fraction", "floor", "score_power")}
+        when = {k: entry[k] for k in OPTIONAL_ENTRY_KEYS if entry.get(k) is not None}
         for design in entry.designs:
             for b in entry.budgets if entry.get("budgets") is not None else budget_list(cfg):
-                out.append(Policy(entry.scorer, design, float(b), seed=cfg.seed, **params))
+                try:
+                    out.append(Policy(scorer=entry.scorer, design=design, budget=float(b), seed=cfg.seed,
+                                      **params, **when))
+                except ValueError as err:  # name the config key the offending value came from
+                    field = str(err).split()[0]
+                    if field in params:
+                        key = f"policy.grid[{i}].{field}" if entry.get(field) is not None else f"policy.{field}"
+                        raise ValueError(f"{key}={params[field]!r}: {err}") from None
+                    raise ValueError(f"policy.grid[{i}] ({entry.scorer}, {design}, budget {b}): {err}") from None
     seen = set()
     return [x for x in out if not (x in seen or seen.add(x))]  # an entry repeated by two grid lines runs once
 
@@ -170,6 +178,13 @@ def result_name(cfg: DictConfig) -> str:
         return str(cfg.name)
     content = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
                for k in RESULT_KEYS}
+    for group, keys in SPEED_ONLY_KEYS.items():
+        for k in keys:
+            content[group].pop(k, None)
+    for entry in content["policy"]["grid"]:
+        for k in OPTIONAL_ENTRY_KEYS:
+            if entry.get(k) is None:
+                entry.pop(k, None)
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     model = str(cfg.model.name).replace("/", "_")
     task = cfg.task.dataset.replace("/", "_") if cfg.task.dataset else "+".join(cfg.task.tasks)

@@ -15,12 +15,16 @@ import subprocess
 from collections.abc import Iterable
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 
 from kvcert.core.hajek import z_value
-from kvcert.hf.generate import VariantResult
+from kvcert.tasks import score
+
+if TYPE_CHECKING:
+    from kvcert.hf.decode import VariantResult
 
 Z95 = z_value(0.95)
 
@@ -38,8 +42,20 @@ def _finite_or_nan(x: float) -> float:
     return float(x) if math.isfinite(x) else float("nan")
 
 
-def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float, correct: bool) -> dict:
-    """One examples.parquet row (full_correct is joined later, per example)."""
+def example_frame(run: str, example, n_prompt: int, results: list[VariantResult]) -> pd.DataFrame:
+    """examples.parquet rows of one example: every variant scored against the gold answers, and `full_correct`
+    from the same example's full-cache variant (which a cell always decodes)."""
+    scored = [score(r.answer, example) for r in results]
+    full = [ok for r, (_, ok) in zip(results, scored) if r.policy.is_full]
+    if not full:
+        raise ValueError(f"example {example.id}: no full-cache variant among the results; full_correct needs it")
+    rows = [variant_row(run, example, n_prompt, r, s, ok, full_correct=full[0]) for r, (s, ok) in zip(results, scored)]
+    return pd.DataFrame(rows)[EXAMPLE_COLUMNS]
+
+
+def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float, correct: bool, *,
+                full_correct: bool) -> dict:
+    """One examples.parquet row."""
     p = r.policy
     n_ans = r.n_answer
     lps = np.asarray(r.logprobs[: max(n_ans, 1)], dtype=np.float64)
@@ -49,7 +65,7 @@ def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float
         "budget": p.budget, "tail_fraction": p.tail_fraction if p.has_certificate else 0.0, "floor": p.floor,
         "score_power": p.score_power, "seed": p.seed, "question_aware": p.question_aware,
         "kept_tokens": r.kept_tokens, "answer": r.answer, "gold": " | ".join(example.answers), "score": float(score),
-        "correct": bool(correct), "full_correct": False, "n_answer_tokens": n_ans,
+        "correct": bool(correct), "full_correct": bool(full_correct), "n_answer_tokens": n_ans,
         "logprob_mean": float(lps.mean()), "logprob_min": float(lps.min()), "has_certificate": p.has_certificate,
     }
     stats = r.stats

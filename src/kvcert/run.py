@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hydra
@@ -21,7 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from kvcert.config import RESULT_KEYS, ConfigError, policies, register_configs, result_name, validate
-from kvcert.records import EXAMPLE_COLUMNS, ShardStore, atomic_text, provenance, step_frame, variant_row
+from kvcert.hf import DecodeOptions, generate_variants, load_model
+from kvcert.records import ShardStore, atomic_text, example_frame, provenance, step_frame
+from kvcert.tasks import render
 
 ROOT = Path(__file__).resolve().parents[2]
 register_configs()
@@ -53,11 +55,10 @@ def _record_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "name") if k in cfg]))
 
 
-def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
-    """Run (or resume) one cell; returns its results folder. model/tokenizer may be passed in (tests)."""
-    from kvcert.hf.generate import DecodeOptions, generate_variants
-    from kvcert.tasks import render, score
-
+def run_cell(cfg: DictConfig, *, model=None, tokenizer=None,
+             after_shard: Callable[[int], None] | None = None) -> Path:
+    """Run (or resume) one cell; returns its results folder. model/tokenizer may be passed in (tests);
+    after_shard(n_written) runs after each written shard (tests use it to simulate a kill)."""
     validate(cfg)
     run_dir = Path(cfg.results_dir) / result_name(cfg)
     config_text = _record_config(cfg)
@@ -70,42 +71,35 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None) -> Path:
         return run_dir
     torch.set_num_threads(int(cfg.threads))
     if model is None:
-        from kvcert.hf.loading import load_model
-
-        dtype = getattr(torch, cfg.model.dtype)
-        model, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir, dtype=dtype, device=cfg.device)
+        model, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir,
+                                      dtype=getattr(torch, cfg.model.dtype), device=cfg.device)
     examples = load_examples(cfg, tokenizer)
     store.open()  # nothing is written before the model and the examples exist
     atomic_text(config_text, saved)
-    prov = provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash())
-    atomic_text(json.dumps(prov, indent=2), run_dir / "provenance.json")
-
+    atomic_text(json.dumps(provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash()), indent=2),
+                run_dir / "provenance.json")
     variants = policies(cfg)
-    d = cfg.decode
-    crash_after = int(os.environ.get("KVCERT_CRASH_AFTER", "0"))  # tests: simulate a kill after k shards
     started = time.perf_counter()
     todo = [i for i in range(len(examples)) if not store.is_done(i)]
-    bar = tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None)
-    for written, index in enumerate(bar, start=1):
-        ex = examples[index]
-        rendered = render(ex, tokenizer)
-        options = DecodeOptions(d.max_new_tokens, tuple(rendered.stop_strings), d.oracle, d.certificate,
-                                d.context_window, d.pool_kernel)
-        results = generate_variants(model, tokenizer, rendered.input_ids, rendered.question_start, variants,
-                                    example_id=ex.id, options=options)
-        rows = []
-        for r in results:
-            s, ok = score(r.answer, ex)
-            rows.append(variant_row(run_dir.name, ex, len(rendered.input_ids), r, s, ok))
-        frame = pd.DataFrame(rows)[EXAMPLE_COLUMNS]
-        frame["full_correct"] = bool(frame.loc[frame.design == "full", "correct"].iloc[0])
-        steps = step_frame(run_dir.name, ex.id, results) if cfg.records.steps == "head" else None
-        store.write(index, frame, steps)
-        if crash_after and written >= crash_after:
-            raise RuntimeError(f"simulated crash after {written} shards (KVCERT_CRASH_AFTER)")
+    for written, index in enumerate(tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None), 1):
+        example = examples[index]
+        prompt = render(example, tokenizer)
+        results = generate_variants(model, tokenizer, prompt, variants, decode_options(cfg, prompt.stop_strings))
+        steps = step_frame(run_dir.name, example.id, results) if cfg.records.steps == "head" else None
+        store.write(index, example_frame(run_dir.name, example, len(prompt.input_ids), results), steps)
+        if after_shard is not None:
+            after_shard(written)
     examples_df, _ = store.merge(len(examples))
     _summary(run_dir.name, examples_df, time.perf_counter() - started)
     return run_dir
+
+
+def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> DecodeOptions:
+    """The `decode` config group as the decoder's options."""
+    d = cfg.decode
+    return DecodeOptions(max_new_tokens=d.max_new_tokens, stop_strings=tuple(stop_strings), oracle=d.oracle,
+                         certificate=d.certificate, context_window=d.context_window, pool_kernel=d.pool_kernel,
+                         one_batch=d.one_batch, drop_finished=d.drop_finished)
 
 
 def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
@@ -119,7 +113,7 @@ def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    from kvcert.hf.loading import ModelLoadError
+    from kvcert.hf import ModelLoadError
     from kvcert.tasks import TaskError
 
     try:

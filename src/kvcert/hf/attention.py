@@ -1,48 +1,241 @@
-"""kvcert's attention function, registered with transformers' AttentionInterface under the name "kvcert".
+"""What kvcert does inside attention: the attention function registered with transformers, and the two states it
+hands every layer's queries, keys and values to.
 
-It is a pass-through to SDPA unless the forward call carries `kvcert_state=KVState(...)`; then the state owns the
-keys/values (the model runs with use_cache=False) and computes exact attention (record mode) or offset attention
-with certificate and oracle (compressed mode). Positions are whatever `position_ids` the caller passes: the
-runner passes the uncompressed positions, so a compressed cache never shifts RoPE.
+kvcert runs the model with `use_cache=False` and passes a state through the forward kwargs (`kvcert_state=`); the
+state owns the keys/values, so the layout stays under our control. Positions are whatever `position_ids` the caller
+passes: the runner passes the uncompressed positions, so a compressed cache never shifts RoPE.
+
+- `RecordState` (batch 1): exact causal attention over the prompt; keeps the full keys/values (the oracle) and the
+  queries of the observation windows the scorers read.
+- `CompressedState` (batch = variants): per (variant, KV head) the kept prompt tokens, tail first, then head, then
+  padding (offset -inf), then every token appended after compression (pi = 1, offset 0). Offset (Hajek) attention
+  and, at single-token decode steps, the certificate variance and, when an oracle is attached, the exact output of
+  the same query over the full prompt plus the variant's own appended tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kvcert.core.hajek import hajek_attention
 
 NAME = "kvcert"
 
 
+# ------------------------------------------------------------------------------------------------ the function
 def kvcert_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA unless the forward call carries `kvcert_state`; then the state attends (and owns the keys/values)."""
     state = kwargs.pop("kvcert_state", None)
     if state is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if state.mode == "record":
-        out = state.record(module.layer_idx, query, key, value, scale)
-    else:
-        out = state.attend(module.layer_idx, query, key, value, scale)
+    out = state.attend(module.layer_idx, query, key, value, scale)
     return out.transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(NAME, kvcert_attention)
 
 
-def use_kvcert_attention(model: PreTrainedModel) -> PreTrainedModel:
-    """Switch a loaded model to the kvcert attention function (idempotent)."""
+def _set_attention(model: PreTrainedModel, name: str) -> None:
     try:
-        model.set_attn_implementation(NAME)
+        model.set_attn_implementation(name)
     except (ValueError, AttributeError):  # older 5.x: set the config field directly
-        model.config._attn_implementation = NAME
-    return model
+        model.config._attn_implementation = name
+
+
+@contextmanager
+def kvcert_attention_on(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
+    """Run the model with kvcert's attention function inside the block; restore its previous implementation."""
+    previous = model.config._attn_implementation
+    _set_attention(model, NAME)
+    try:
+        yield model
+    finally:
+        if previous and previous != NAME:
+            _set_attention(model, previous)
 
 
 @torch.no_grad()
 def forward_with_state(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
-    """One forward pass through kvcert's buffers; returns the logits of the last position per sequence (B, V)."""
+    """One forward pass through a kvcert state; returns the logits of the last position per sequence (B, V)."""
     out = model(input_ids=input_ids, position_ids=positions, use_cache=False, kvcert_state=state, logits_to_keep=1)
     return out.logits[:, -1, :]
+
+
+# ---------------------------------------------------------------------------------------------------- record
+class RecordState:
+    """Batch 1, exact causal attention; keeps every layer's full keys/values and the captured window queries."""
+
+    def __init__(self, n_layers: int, capture: dict[str, slice] | None = None):
+        self.full_keys: list[torch.Tensor | None] = [None] * n_layers  # (1, Hkv, n, d)
+        self.full_values: list[torch.Tensor | None] = [None] * n_layers
+        self.capture = capture or {}  # name -> slice of absolute positions whose queries to keep
+        self.captured: dict[str, list[torch.Tensor | None]] = {k: [None] * n_layers for k in self.capture}
+
+    def attend(self, layer: int, query, key, value, scale: float) -> torch.Tensor:
+        t = query.shape[-2]
+        past_k, past_v = self.full_keys[layer], self.full_values[layer]
+        k = key if past_k is None else torch.cat([past_k, key], dim=-2)
+        v = value if past_v is None else torch.cat([past_v, value], dim=-2)
+        self.full_keys[layer], self.full_values[layer] = k, v
+        start = k.shape[-2] - t
+        for name, where in self.capture.items():
+            lo, hi = max(where.start, start), min(where.stop, start + t)
+            if lo < hi:
+                q = query[..., lo - start : hi - start, :]
+                prev = self.captured[name][layer]
+                self.captured[name][layer] = q if prev is None else torch.cat([prev, q], dim=-2)
+        # the new tokens see every earlier token and each other causally
+        mask = None
+        if start > 0:
+            mask = torch.ones(t, k.shape[-2], dtype=torch.bool, device=k.device).tril(diagonal=start)
+        return F.scaled_dot_product_attention(
+            query, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        )
+
+
+# ------------------------------------------------------------------------------------------------ compressed
+@dataclass(kw_only=True)
+class LayerBuffers:
+    """One layer's compressed cache for a batch of variants (float32 from construction on)."""
+
+    keys: torch.Tensor  # (B, Hkv, capacity, d)
+    values: torch.Tensor  # (B, Hkv, capacity, d)
+    offset: torch.Tensor  # (B, Hkv, capacity): -log pi on kept tokens, 0 after compression, -inf on padding
+    one_minus_pi: torch.Tensor  # (B, Hkv, tail_slots)
+    value_sq_norms: torch.Tensor  # (B, Hkv, tail_slots), ||v||^2 of the tail slots (the certificate reuses it)
+    tail_slots: int
+    length: int  # filled entries
+    oracle_keys: torch.Tensor | None = None  # (B, Hkv, capacity, d): the oracle's per-variant part (see below)
+    oracle_values: torch.Tensor | None = None
+    oracle_length: int = 0
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        for name in ("keys", "values", "offset", "one_minus_pi", "value_sq_norms", "oracle_keys", "oracle_values"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, rows))
+
+
+@dataclass
+class StepStats:
+    """One decode step, per layer: tensors (B, Hq)."""
+
+    variance: list[torch.Tensor] = field(default_factory=list)
+    error: list[torch.Tensor] = field(default_factory=list)
+    out_norm: list[torch.Tensor] = field(default_factory=list)
+    tail_mass: list[torch.Tensor] = field(default_factory=list)
+    p_max: list[torch.Tensor] = field(default_factory=list)
+
+
+class CompressedState:
+    """The compressed caches of a batch of variants, and the certificate and oracle computed beside attention.
+
+    The oracle of a variant is exact attention of its query over `oracle_prefix` (the first tokens of the full
+    prefill, shared by the batch) followed by the variant's own part `LayerBuffers.oracle_keys[:oracle_length]`,
+    which starts with whatever the caller put there and receives every token the variant appends.
+    """
+
+    def __init__(
+        self,
+        layers: list[LayerBuffers],
+        *,
+        certificate_rows: torch.Tensor,
+        oracle_prefix_keys: list[torch.Tensor] | None = None,
+        oracle_prefix_values: list[torch.Tensor] | None = None,
+    ):
+        self.layers = layers
+        self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
+        self.compute_certificate = True
+        self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
+        self.has_oracle = oracle_prefix_keys is not None
+        # the shared oracle prefix in a matmul layout (a broadcast matmul would copy it once per variant)
+        self._oracle_kt = [k[0].float().transpose(-1, -2).contiguous() for k in oracle_prefix_keys or []]
+        self._oracle_v = [v[0].float().contiguous() for v in oracle_prefix_values or []]
+        self._tail = [(b.one_minus_pi > 0).float().unsqueeze(-1) for b in layers]  # 1.0 on real tail slots
+
+    @property
+    def batch_size(self) -> int:
+        return self.layers[0].keys.shape[0]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop every row not in `rows` (finished variants leave the batch)."""
+        for layer, buf in enumerate(self.layers):
+            buf.keep_rows(rows)
+            self._tail[layer] = self._tail[layer].index_select(0, rows)
+        self.certificate_rows = self.certificate_rows.index_select(0, rows)
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+        buf = self.layers[layer]
+        bsz, n_q, t, d = query.shape
+        n_kv = key.shape[1]
+        group = n_q // n_kv
+        lo, hi = buf.length, buf.length + t
+        if hi > buf.keys.shape[-2]:
+            raise RuntimeError(f"KV buffer of layer {layer} is full ({buf.keys.shape[-2]} slots)")
+        buf.keys[:, :, lo:hi] = key
+        buf.values[:, :, lo:hi] = value
+        buf.offset[:, :, lo:hi] = 0.0
+        buf.length = hi
+        if buf.oracle_keys is not None:
+            o_lo, o_hi = buf.oracle_length, buf.oracle_length + t
+            buf.oracle_keys[:, :, o_lo:o_hi] = key
+            buf.oracle_values[:, :, o_lo:o_hi] = value
+            buf.oracle_length = o_hi
+        keys, values, offset = buf.keys[:, :, :hi], buf.values[:, :, :hi], buf.offset[:, :, :hi]
+        q = query.reshape(bsz, n_kv, group * t, d).to(keys.dtype)
+        mask = None
+        if t > 1:  # new tokens see the cache and each other causally; rows are (group, t) flattened
+            cols = torch.arange(hi, device=q.device)
+            rows = torch.arange(t, device=q.device).repeat(group)
+            mask = torch.zeros(group * t, hi, device=q.device, dtype=q.dtype)
+            mask.masked_fill_(cols[None, :] > (lo + rows)[:, None], float("-inf"))
+        certify = self.stats is not None and t == 1
+        res = hajek_attention(
+            q, keys, values, offset, scale=scale, mask=mask,
+            one_minus_pi=buf.one_minus_pi if certify and self.compute_certificate else None,
+            variance_slots=buf.tail_slots, value_sq_norms=buf.value_sq_norms,
+        )
+        if certify:
+            self._record_step(layer, q, res, buf, scale, bsz, n_q)
+        return res.output.reshape(bsz, n_q, t, d).to(query.dtype)
+
+    def _record_step(self, layer, q, res, buf, scale, bsz, n_q):
+        stats = self.stats
+        p = res.weights  # (B, Hkv, group, L)
+        out = res.output
+        stats.out_norm.append(out.norm(dim=-1).reshape(bsz, n_q))
+        stats.p_max.append(p.amax(-1).reshape(bsz, n_q))
+        s = buf.tail_slots
+        stats.tail_mass.append((p[..., :s] @ self._tail[layer]).reshape(bsz, n_q))  # sum of p over real tail slots
+        if res.variance is not None:
+            var = res.variance.reshape(bsz, n_q).masked_fill(~self.certificate_rows[:, None], float("nan"))
+            stats.variance.append(var)
+        if self.has_oracle:
+            exact = self._oracle(layer, q, buf, scale)
+            stats.error.append((out - exact).norm(dim=-1).reshape(bsz, n_q))
+
+    def _oracle(self, layer, q, buf, scale) -> torch.Tensor:
+        """Exact attention of the query over [shared prefix, own part]: one (Hkv, B*group, d) @ (Hkv, d, n) matmul
+        for the prefix, and the softmax over the two parts done without concatenating them."""
+        bsz, n_kv, g, d = q.shape
+        kt, fv = self._oracle_kt[layer], self._oracle_v[layer]
+        app_k = buf.oracle_keys[:, :, : buf.oracle_length]
+        app_v = buf.oracle_values[:, :, : buf.oracle_length]
+        qh = q.transpose(0, 1).reshape(n_kv, bsz * g, d)
+        lf = torch.matmul(qh, kt).mul_(scale).view(n_kv, bsz, g, -1)  # (Hkv, B, g, n)
+        la = (q @ app_k.transpose(-1, -2)).mul_(scale).transpose(0, 1)  # (Hkv, B, g, a)
+        m = torch.maximum(lf.amax(-1, keepdim=True), la.amax(-1, keepdim=True))
+        ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
+        z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
+        num = torch.matmul(ef.view(n_kv, bsz * g, -1), fv).view(n_kv, bsz, g, d) + ea @ app_v.transpose(0, 1)
+        return (num / z).transpose(0, 1)  # (B, Hkv, g, d)

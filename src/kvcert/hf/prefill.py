@@ -1,0 +1,242 @@
+"""One example's flow in three stages:
+
+    prefill = Prefill.record(model, prompt)           # exact attention; full keys/values kept as the oracle
+    batch = prefill.compress(policies, options)        # every variant's compressed cache, from that one prefill
+    results = batch.decode(options, tokenizer)         # all variants decoded together, certificate + oracle
+
+Variants compressed after the prompt take their first token from the full prefill (compression happens after the
+prefill, as in kvpress' `compress after prefill`); variants compressed after the context read the question, chat
+suffix and answer prefix through their compressed caches first. Both then sit at the same next position and decode
+as one batch (`DecodeOptions.one_batch`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kvcert.core.hajek import gather_tokens
+from kvcert.hf.attention import CompressedState, LayerBuffers, RecordState, forward_with_state, kvcert_attention_on
+from kvcert.hf.compress import Compressed, compress
+from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
+from kvcert.policy import Policy
+
+
+def attention_scale(model) -> float:
+    """The softmax scale every attention layer of the model uses (Gemma's query_pre_attn_scalar included)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return float(getattr(model.model.layers[0].self_attn, "scaling", head_dim**-0.5))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prompt:
+    """A prompt as token ids with the context/question boundary (kvcert.tasks.Rendered is another)."""
+
+    input_ids: list[int]
+    question_start: int
+    example_id: str = ""
+
+
+def _example_id(prompt) -> str:
+    example = getattr(prompt, "example", None)
+    return str(getattr(prompt, "example_id", None) or getattr(example, "id", "") or "")
+
+
+@dataclass(kw_only=True)
+class Prefill:
+    """The full prompt read once with exact attention: what every variant is built from."""
+
+    model: object
+    input_ids: list[int]
+    question_start: int  # input_ids[:question_start] is the context (with the template's opening)
+    example_id: str  # seeds the design draws
+    full_keys: list[torch.Tensor]  # per layer (1, Hkv, n, d)
+    full_values: list[torch.Tensor]
+    window_queries: dict[str, list[torch.Tensor]]  # "question" / "context" -> per layer (1, Hq, w, d)
+    context_window: tuple[int, int]  # the question-agnostic scorer's window [lo, hi) (last context tokens)
+    scale: float
+    last_logits: torch.Tensor  # (1, V): the full cache's first answer token
+
+    @classmethod
+    @torch.no_grad()
+    def record(cls, model, prompt, *, context_window: int = 32, example_id: str | None = None) -> Prefill:
+        """`prompt` has `input_ids` and `question_start` (e.g. kvcert.tasks.Rendered). Context and question are
+        read as two chunks, so the context's keys never depend on the question."""
+        ids_list = list(prompt.input_ids)
+        n, qs = len(ids_list), int(prompt.question_start)
+        if not 0 < qs < n:
+            raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
+        ctx_lo = qs - min(context_window, qs - 1)
+        state = RecordState(model.config.num_hidden_layers,
+                            capture={"question": slice(qs, n), "context": slice(ctx_lo, qs)})
+        ids = torch.tensor([ids_list], device=model.device)
+        pos = torch.arange(n, device=model.device)[None]
+        with kvcert_attention_on(model):
+            forward_with_state(model, ids[:, :qs], pos[:, :qs], state)
+            logits = forward_with_state(model, ids[:, qs:], pos[:, qs:], state)
+        return cls(model=model, input_ids=ids_list, question_start=qs,
+                   example_id=example_id if example_id is not None else _example_id(prompt),
+                   full_keys=state.full_keys, full_values=state.full_values, window_queries=state.captured,
+                   context_window=(ctx_lo, qs), scale=attention_scale(model), last_logits=logits)
+
+    # ---------------------------------------------------------------------------------------------- compress
+    def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
+        n, qs = len(self.input_ids), self.question_start
+        region = n if policy.compress_after == "prompt" else qs
+        window = None if policy.is_full else policy.scorer_window
+        forced, queries = None, None
+        if window == "question":
+            forced, queries = (qs, n), self.window_queries["question"]
+        elif window == "context":
+            forced, queries = self.context_window, self.window_queries["context"]
+        elif policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
+            forced = (qs, n)
+        generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
+        return compress(policy, self.full_keys, region=region, forced=forced, window_queries=queries,
+                        scale=self.scale, generator=generator, pool_kernel=pool_kernel)
+
+    @torch.no_grad()
+    def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
+        """Every policy's compressed cache; variants compressed after the context read the question now."""
+        n, qs = len(self.input_ids), self.question_start
+        parts = []
+        for when in ("prompt", "context"):
+            rows = [i for i, p in enumerate(policies) if p.compress_after == when]
+            if not rows:
+                continue
+            group = [policies[i] for i in rows]
+            comps = [self._compress_one(p, options.pool_kernel) for p in group]
+            region = n if when == "prompt" else qs
+            state = _build_state(comps, group, self, region=region, capacity=(n - region) + options.max_new_tokens + 1,
+                                 oracle=options.oracle)
+            if when == "prompt":
+                first = self.last_logits.expand(len(group), -1)
+            else:
+                ids = torch.tensor([self.input_ids[qs:]], device=self.model.device).expand(len(group), -1)
+                pos = torch.arange(qs, n, device=self.model.device)[None].expand(len(group), -1)
+                with kvcert_attention_on(self.model):
+                    first = forward_with_state(self.model, ids, pos, state)
+            parts.append(_Part(rows=rows, state=state, comps=comps, first_logits=first))
+        if options.one_batch and len(parts) > 1:
+            parts = [_merge(parts, self, options)]
+        return CompressedBatch(model=self.model, policies=list(policies), parts=parts, start=n)
+
+
+@dataclass(kw_only=True)
+class _Part:
+    rows: list[int]  # positions in the policy list
+    state: CompressedState
+    comps: list[Compressed]
+    first_logits: torch.Tensor  # (B, V)
+
+
+@dataclass(kw_only=True)
+class CompressedBatch:
+    """Every variant's compressed cache, ready to decode (one part, or one per compression time)."""
+
+    model: object
+    policies: list[Policy]
+    parts: list[_Part]
+    start: int  # position of the first generated token
+
+    @torch.no_grad()
+    def decode(self, options: DecodeOptions, tokenizer=None, *,
+               on_step: Callable[[int], None] | None = None) -> list[VariantResult]:
+        """Greedy-decode every variant; results in the order of the policies."""
+        out: dict[int, VariantResult] = {}
+        with kvcert_attention_on(self.model):
+            for part in self.parts:
+                rows = decode_batch(self.model, tokenizer, part.state, part.first_logits, self.start, options,
+                                    on_step=on_step)
+                for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(part.rows, part.comps, rows):
+                    out[i] = VariantResult(policy=self.policies[i], tokens=tokens, logprobs=logprobs, n_answer=n_ans,
+                                           answer=answer, kept_tokens=comp.kept_tokens, stats=stats)
+        return [out[i] for i in range(len(self.policies))]
+
+
+# ------------------------------------------------------------------------------------------------ the buffers
+def _build_state(comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int,
+                 oracle: bool) -> CompressedState:
+    """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
+    The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
+    layers = []
+    for layer in range(len(prefill.full_keys)):
+        k_full, v_full = prefill.full_keys[layer][0], prefill.full_values[layer][0]  # (Hkv, n, d)
+        n_kv, _, d = k_full.shape
+        width = max(c.indices[layer].shape[-1] for c in comps)
+        slots = max(c.tail_slots[layer] for c in comps)
+        b = len(comps)
+        keys = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=k_full.device)
+        values = torch.zeros_like(keys)
+        offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=k_full.device)
+        omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=k_full.device)
+        for row, c in enumerate(comps):
+            idx = c.indices[layer]
+            m = idx.shape[-1]
+            keys[row, :, :m] = gather_tokens(k_full, idx)
+            values[row, :, :m] = gather_tokens(v_full, idx)
+            offset[row, :, :m] = c.offset[layer]
+            omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
+        own = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device) if oracle else None
+        layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp,
+                                   value_sq_norms=values[:, :, :slots].square().sum(-1), tail_slots=slots,
+                                   length=width, oracle_keys=own, oracle_values=None if own is None else own.clone()))
+    prefix_k = [k[:, :, :region] for k in prefill.full_keys] if oracle else None
+    prefix_v = [v[:, :, :region] for v in prefill.full_values] if oracle else None
+    rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
+    return CompressedState(layers, certificate_rows=rows, oracle_prefix_keys=prefix_k, oracle_prefix_values=prefix_v)
+
+
+def _merge(parts: list[_Part], prefill: Prefill, options: DecodeOptions) -> _Part:
+    """One batch from the after-prompt and after-context parts. Both sit at the same next position; each row keeps
+    its own filled entries, padding (offset -inf) up to the longest, then room for the answer. The oracle's shared
+    prefix becomes the context; an after-prompt row's own part starts with the full prefill's question tokens, an
+    after-context row's with the question tokens it read itself (as before the merge)."""
+    qs = prefill.question_start
+    n = len(prefill.input_ids)
+    oracle = options.oracle
+    layers = []
+    for layer in range(len(prefill.full_keys)):
+        bufs = [p.state.layers[layer] for p in parts]
+        length = max(b.length for b in bufs)
+        slots = max(b.tail_slots for b in bufs)
+        cap = length + options.max_new_tokens + 1
+        ref = bufs[0].keys
+        b_total = sum(b.keys.shape[0] for b in bufs)
+        n_kv, d = ref.shape[1], ref.shape[3]
+        keys = ref.new_zeros(b_total, n_kv, cap, d)
+        values = ref.new_zeros(b_total, n_kv, cap, d)
+        offset = ref.new_full((b_total, n_kv, cap), float("-inf"))
+        omp = ref.new_zeros(b_total, n_kv, slots)
+        vsq = ref.new_zeros(b_total, n_kv, slots)
+        own_k = ref.new_zeros(b_total, n_kv, (n - qs) + options.max_new_tokens + 1, d) if oracle else None
+        own_v = torch.zeros_like(own_k) if oracle else None
+        row = 0
+        for b in bufs:
+            r = slice(row, row + b.keys.shape[0])
+            keys[r, :, : b.length] = b.keys[:, :, : b.length]
+            values[r, :, : b.length] = b.values[:, :, : b.length]
+            offset[r, :, : b.length] = b.offset[:, :, : b.length]
+            omp[r, :, : b.tail_slots] = b.one_minus_pi
+            vsq[r, :, : b.tail_slots] = b.value_sq_norms
+            if oracle:
+                if b.oracle_length:  # after-context rows: the question tokens they read themselves
+                    own_k[r, :, : b.oracle_length] = b.oracle_keys[:, :, : b.oracle_length]
+                    own_v[r, :, : b.oracle_length] = b.oracle_values[:, :, : b.oracle_length]
+                else:  # after-prompt rows: the full prefill's question tokens
+                    own_k[r, :, : n - qs] = prefill.full_keys[layer][:, :, qs:n].float()
+                    own_v[r, :, : n - qs] = prefill.full_values[layer][:, :, qs:n].float()
+            row += b.keys.shape[0]
+        layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp, value_sq_norms=vsq,
+                                   tail_slots=slots, length=length, oracle_keys=own_k, oracle_values=own_v,
+                                   oracle_length=(n - qs) if oracle else 0))
+    rows_cert = torch.cat([p.state.certificate_rows for p in parts])
+    prefix_k = [k[:, :, :qs] for k in prefill.full_keys] if oracle else None
+    prefix_v = [v[:, :, :qs] for v in prefill.full_values] if oracle else None
+    state = CompressedState(layers, certificate_rows=rows_cert, oracle_prefix_keys=prefix_k,
+                            oracle_prefix_values=prefix_v)
+    return _Part(rows=[i for p in parts for i in p.rows], state=state, comps=[c for p in parts for c in p.comps],
+                 first_logits=torch.cat([p.first_logits for p in parts]))

@@ -1,0 +1,115 @@
+"""A policy = scorer x design x budget, plus *when* it compresses. Plain Python: no torch model, no transformers.
+
+When compression happens is an explicit field (`compress_after`), for every scorer:
+- "prompt": after the whole prompt was read (context, question, chat suffix, answer prefix); the first answer
+  token comes from the full prefill. kvcert's default for every scorer but `window_context`.
+- "context": after the context only (kvpress's protocol): the question, chat suffix and answer prefix are then read
+  through the compressed cache. The default of `window_context`, whose window is the last context tokens.
+`protect_question` (compress_after="prompt" only) keeps the question's tokens out of eviction; it is the observation
+window of `window_question` (always kept), and off by default for the other scorers, which may evict them.
+The defaults reproduce the scorers' earlier implicit behaviour, and the label (the record's `variant`) only names
+the two fields when they differ from the scorer's default.
+`none` + design `full` is the full-cache reference (budget 1.0).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from kvcert.core.designs import DESIGN_SPECS
+from kvcert.core.scorers import SCORERS
+
+SCORER_NAMES = (*SCORERS, "none")
+DESIGN_NAMES = (*DESIGN_SPECS, "full")
+COMPRESS_AFTER = ("prompt", "context")
+
+
+def default_compress_after(scorer: str) -> str:
+    return "context" if scorer in SCORERS and SCORERS[scorer].window == "context" else "prompt"
+
+
+def default_protect_question(scorer: str) -> bool:
+    return scorer in SCORERS and SCORERS[scorer].window == "question"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Policy:
+    scorer: str
+    design: str
+    budget: float
+    tail_fraction: float = 0.5
+    floor: float = 0.2
+    score_power: float = 1.0
+    seed: int = 0
+    compress_after: str | None = None  # None: the scorer's default (see module docstring)
+    protect_question: bool | None = None  # None: the scorer's default
+
+    def __post_init__(self):
+        if self.scorer not in SCORER_NAMES:
+            raise ValueError(f"scorer must be one of {list(SCORER_NAMES)}, got {self.scorer!r}")
+        if self.design not in DESIGN_NAMES:
+            raise ValueError(f"design must be one of {list(DESIGN_NAMES)}, got {self.design!r}")
+        if not 0.0 < self.budget <= 1.0:
+            raise ValueError(f"budget must be a fraction in (0, 1], got {self.budget!r}")
+        if not 0.0 <= self.tail_fraction < 1.0:
+            raise ValueError(f"tail_fraction must be in [0, 1), got {self.tail_fraction!r}")
+        if not 0.0 <= self.floor <= 1.0:
+            raise ValueError(f"floor must be in [0, 1], got {self.floor!r}")
+        if not self.score_power > 0:
+            raise ValueError(f"score_power must be > 0, got {self.score_power!r}")
+        if (self.design == "full") != (self.scorer == "none"):
+            raise ValueError("the full-cache reference is scorer 'none' with design 'full' (and only that pair)")
+        if self.compress_after is None:
+            object.__setattr__(self, "compress_after", default_compress_after(self.scorer))
+        if self.protect_question is None:
+            object.__setattr__(self, "protect_question", default_protect_question(self.scorer))
+        if self.compress_after not in COMPRESS_AFTER:
+            raise ValueError(f"compress_after must be one of {list(COMPRESS_AFTER)}, got {self.compress_after!r}")
+        window = SCORERS[self.scorer].window if self.scorer in SCORERS else None
+        if window == "question" and (self.compress_after != "prompt" or not self.protect_question):
+            raise ValueError(f"{self.scorer} reads the question: it needs compress_after=prompt and protect_question")
+        if window == "context" and self.compress_after != "context":
+            raise ValueError(f"{self.scorer} reads the last context tokens: it needs compress_after=context")
+        if self.compress_after == "context" and self.protect_question:
+            raise ValueError("protect_question applies to compress_after=prompt (after the context the question "
+                             "is not in the cache yet)")
+
+    @property
+    def is_full(self) -> bool:
+        return self.design == "full"
+
+    @property
+    def scorer_window(self) -> str | None:
+        """The observation window the scorer reads: "question", "context" or None."""
+        return SCORERS[self.scorer].window if self.scorer in SCORERS else None
+
+    @property
+    def question_aware(self) -> bool:
+        """Compressed after the question was read."""
+        return self.compress_after == "prompt"
+
+    @property
+    def has_certificate(self) -> bool:
+        return self.design in DESIGN_SPECS and DESIGN_SPECS[self.design].has_certificate
+
+    @property
+    def label(self) -> str:
+        if self.is_full:
+            return "full"
+        rand = ""
+        if self.has_certificate:
+            rand = f"/t{self.tail_fraction:g}/f{self.floor:g}/p{self.score_power:g}/s{self.seed}"
+        when = ""
+        if self.compress_after != default_compress_after(self.scorer):
+            when += f"/after-{self.compress_after}"
+        if self.protect_question != default_protect_question(self.scorer):
+            when += "/protect-q" if self.protect_question else "/evict-q"
+        return f"{self.scorer}/{self.design}/b{self.budget:g}{rand}{when}"
+
+    def generator_seed(self, example_id: str) -> int:
+        """Independent, reproducible draws per (example, seed): the seed never repeats a draw across examples."""
+        return zlib.crc32(f"{example_id}|{self.seed}".encode()) + 7919 * self.seed
+
+
+FULL = Policy(scorer="none", design="full", budget=1.0)

@@ -1,0 +1,97 @@
+"""The decoder: the speed switches (one batch, finished rows leave) change nothing but speed; stop strings."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.hf.decode import StopDetector, answer_length
+from kvcert.policy import FULL, Policy
+
+N, QS = 160, 130
+
+
+class _CharTokenizer:
+    """Token i is chr(i): a stop string of c characters spans c tokens."""
+
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
+
+
+def _variants(model, tokenizer, prompt, one_batch, drop_finished, stops=(), steps=8):
+    policies = [FULL] + [Policy(scorer=s, design=d, budget=b, seed=1) for s in
+                         ("window_question", "window_context", "streaming", "key_norm")
+                         for d in ("topk", "randomized") for b in (0.3, 0.6)]
+    policies.append(Policy(scorer="streaming", design="randomized", budget=0.5, compress_after="context"))
+    opts = DecodeOptions(max_new_tokens=steps, stop_strings=stops, one_batch=one_batch, drop_finished=drop_finished)
+    return generate_variants(model, tokenizer, prompt, policies, opts)
+
+
+@pytest.mark.parametrize("one_batch, drop_finished", [(True, False), (False, True), (True, True)])
+def test_speed_switches_change_nothing_but_float_rounding(tiny_smol, one_batch, drop_finished):
+    """Tokens, answers and answer lengths are identical; statistics agree to 1e-5 absolute (the matmuls see other
+    batch shapes, so float32 summation orders change; the oracle's softmax is split at the context instead of the
+    prompt when the two compression times share a batch)."""
+    model, tok = tiny_smol
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    stops = (tok.decode([ids[7]]),)  # a frequent-enough token text so that rows finish at different steps
+    ref = _variants(model, tok, prompt, False, False, stops)
+    new = _variants(model, tok, prompt, one_batch, drop_finished, stops)
+    for a, b in zip(ref, new):
+        assert a.policy == b.policy
+        assert (a.n_answer, a.answer) == (b.n_answer, b.answer), a.policy.label
+        assert a.tokens[: a.n_answer + 1] == b.tokens[: b.n_answer + 1]
+        assert np.allclose(a.logprobs[: a.n_answer + 1], b.logprobs[: b.n_answer + 1], atol=1e-5)
+        assert a.stats.keys() == b.stats.keys()
+        for name in a.stats:
+            assert a.stats[name].shape == b.stats[name].shape, (a.policy.label, name)
+            assert np.allclose(a.stats[name], b.stats[name], atol=1e-5, equal_nan=True), (a.policy.label, name)
+
+
+def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
+    import kvcert.hf.decode as decode
+
+    model, _ = tiny_smol
+    tok = _CharTokenizer()
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    policies = [FULL] + [Policy(scorer="streaming", design="topk", budget=b, compress_after="context")
+                         for b in (0.1, 0.2, 0.4)]
+    first = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=1))
+    assert first[0].tokens[0] not in {r.tokens[0] for r in first[1:]}, "pick another seed: a row must go on"
+    batch_sizes = []
+    forward = decode.forward_with_state
+
+    def spy(model, input_ids, positions, state):
+        batch_sizes.append(input_ids.shape[0])
+        return forward(model, input_ids, positions, state)
+
+    monkeypatch.setattr(decode, "forward_with_state", spy)
+    stop = chr(first[0].tokens[0])  # the full cache's first token ends its answer at once
+    res = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=4, stop_strings=(stop,)))
+    assert res[0].n_answer == 0 and res[0].answer == ""
+    assert batch_sizes and max(batch_sizes) < len(policies)  # the full-cache row never took a decode step
+    monkeypatch.setattr(decode, "forward_with_state", forward)
+    legacy = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=4, stop_strings=(stop,),
+                                                                           drop_finished=False))
+    assert [r.answer for r in res] == [r.answer for r in legacy]
+
+
+def test_stop_detector_sees_a_stop_string_spanning_tokens():
+    tok = _CharTokenizer()
+    stop = StopDetector(tok, ("<end>",))
+    assert not stop([ord(c) for c in "abc<en"])
+    assert stop([ord(c) for c in "abc<end>"])
+    assert stop([ord(c) for c in "x" * 100 + "<end>"])  # only the last 4c+4 tokens are decoded
+    assert not StopDetector(tok, ())([ord("a")])
+
+
+def test_answer_length_cuts_at_eos_and_stop_strings():
+    tok = _CharTokenizer()
+    ids = [ord(c) for c in "42. more"]
+    assert answer_length(tok, ids, {0}, (".",)) == (2, "42")
+    assert answer_length(tok, [ord("7"), 0, ord("9")], {0}, ()) == (1, "7")
+    assert answer_length(None, [5, 6, 0], {0}, ()) == (2, "5 6")
