@@ -32,7 +32,7 @@ EXAMPLE_COLUMNS = [
     "run", "example_id", "task", "context_tokens", "depth", "variant", "scorer", "design", "budget", "tail_fraction",
     "floor", "score_power", "seed", "question_aware", "kept_tokens", "answer", "gold", "score", "correct",
     "full_correct", "n_answer_tokens", "logprob_mean", "logprob_min", "has_certificate", "cert_score",
-    "rel_error_mean", "covered95", "steps95", "steps_total", "nonfinite",
+    "rel_error_mean", "covered95", "steps95", "steps_total", "nonfinite", "uncompressed_layers",
 ]
 STEP_COLUMNS = ["run", "example_id", "variant", "step", "layer", "head", "error", "radius95", "variance", "out_norm",
                 "tail_mass", "p_max"]
@@ -68,7 +68,11 @@ def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float
         "correct": bool(correct), "full_correct": bool(full_correct), "n_answer_tokens": n_ans,
         "logprob_mean": float(lps.mean()), "logprob_min": float(lps.min()), "has_certificate": p.has_certificate,
     }
-    stats = r.stats
+    # summaries over the compressed layers (all of them but a hybrid model's sliding-window layers, kept exactly)
+    kept_exactly = [layer for layer, c in enumerate(r.compressed_layers) if not c]
+    row["uncompressed_layers"] = ",".join(map(str, kept_exactly))
+    layers = np.asarray(r.compressed_layers, dtype=bool) if kept_exactly else slice(None)
+    stats = {k: v[:, layers] for k, v in r.stats.items()}
     nonfinite = not np.isfinite(lps).all()
     err, out = stats.get("error"), stats.get("out_norm")
     var = stats.get("variance")

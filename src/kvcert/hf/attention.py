@@ -37,8 +37,12 @@ def kvcert_attention(module, query, key, value, attention_mask, scaling=None, dr
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
+    for unsupported in ("softcap", "s_aux"):  # logit soft-capping, attention sinks: refused at load, never ignored
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"kvcert's attention does not implement {unsupported!r} "
+                                      f"({type(module).__name__})")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = state.attend(module.layer_idx, query, key, value, scale)
+    out = state.attend(module.layer_idx, query, key, value, scale, window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -66,7 +70,9 @@ def kvcert_attention_on(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
 
 @torch.no_grad()
 def forward_with_state(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, state) -> torch.Tensor:
-    """One forward pass through a kvcert state; returns the logits of the last position per sequence (B, V)."""
+    """One forward pass through a kvcert state; returns the logits of the last position per sequence (B, V).
+    Every sequence of the batch is at the same positions (the uncompressed ones)."""
+    state.position = int(positions[0, 0])
     out = model(input_ids=input_ids, position_ids=positions, use_cache=False, kvcert_state=state, logits_to_keep=1)
     return out.logits[:, -1, :]
 
@@ -80,8 +86,9 @@ class RecordState:
         self.full_values: list[torch.Tensor | None] = [None] * n_layers
         self.capture = capture or {}  # name -> slice of absolute positions whose queries to keep
         self.captured: dict[str, list[torch.Tensor | None]] = {k: [None] * n_layers for k in self.capture}
+        self.position = 0
 
-    def attend(self, layer: int, query, key, value, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, query, key, value, scale: float, window: int | None = None) -> torch.Tensor:
         t = query.shape[-2]
         past_k, past_v = self.full_keys[layer], self.full_values[layer]
         k = key if past_k is None else torch.cat([past_k, key], dim=-2)
@@ -94,10 +101,13 @@ class RecordState:
                 q = query[..., lo - start : hi - start, :]
                 prev = self.captured[name][layer]
                 self.captured[name][layer] = q if prev is None else torch.cat([prev, q], dim=-2)
-        # the new tokens see every earlier token and each other causally
+        # the new tokens see every earlier token and each other causally (and, on a sliding-window layer, only the
+        # last `window` tokens including themselves, as transformers' sliding_window_overlay: j > i - window)
         mask = None
-        if start > 0:
+        if start > 0 or window is not None:
             mask = torch.ones(t, k.shape[-2], dtype=torch.bool, device=k.device).tril(diagonal=start)
+            if window is not None:
+                mask &= ~torch.ones_like(mask).tril(diagonal=start - window)
         return F.scaled_dot_product_attention(
             query, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
         )
@@ -118,9 +128,13 @@ class LayerBuffers:
     oracle_keys: torch.Tensor | None = None  # (B, Hkv, capacity, d): the oracle's per-variant part (see below)
     oracle_values: torch.Tensor | None = None
     oracle_length: int = 0
+    compressed: bool = True  # False: a sliding-window layer kept exactly (no certificate: variance NaN)
+    window: int | None = None  # sliding window (tokens, the query included); None = full attention
+    positions: torch.Tensor | None = None  # (B, capacity) absolute positions of the slots (window layers only)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        for name in ("keys", "values", "offset", "one_minus_pi", "value_sq_norms", "oracle_keys", "oracle_values"):
+        for name in ("keys", "values", "offset", "one_minus_pi", "value_sq_norms", "oracle_keys", "oracle_values",
+                     "positions"):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows))
@@ -157,6 +171,8 @@ class CompressedState:
         self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
         self.compute_certificate = True
         self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
+        self.position = 0  # absolute position of the next token (set by forward_with_state)
+        self.oracle_prefix = oracle_prefix_keys[0].shape[-2] if oracle_prefix_keys else 0
         self.has_oracle = oracle_prefix_keys is not None
         # the shared oracle prefix in a matmul layout (a broadcast matmul would copy it once per variant)
         self._oracle_kt = [k[0].float().transpose(-1, -2).contiguous() for k in oracle_prefix_keys or []]
@@ -174,8 +190,12 @@ class CompressedState:
             self._tail[layer] = self._tail[layer].index_select(0, rows)
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float):
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               window: int | None = None):
         buf = self.layers[layer]
+        if window != buf.window:
+            raise RuntimeError(f"layer {layer}: the model's sliding window ({window}) is not the buffer's "
+                               f"({buf.window})")
         bsz, n_q, t, d = query.shape
         n_kv = key.shape[1]
         group = n_q // n_kv
@@ -199,6 +219,12 @@ class CompressedState:
             rows = torch.arange(t, device=q.device).repeat(group)
             mask = torch.zeros(group * t, hi, device=q.device, dtype=q.dtype)
             mask.masked_fill_(cols[None, :] > (lo + rows)[:, None], float("-inf"))
+        if window is not None:  # slots that left the window: position <= query position - window
+            buf.positions[:, lo:hi] = torch.arange(self.position, self.position + t, device=q.device)
+            q_pos = (self.position + torch.arange(t, device=q.device)).repeat(group)  # rows are (group, t)
+            stale = buf.positions[:, None, None, :hi] <= (q_pos - window)[None, None, :, None]
+            window_mask = torch.zeros(stale.shape, device=q.device, dtype=q.dtype).masked_fill_(stale, float("-inf"))
+            mask = window_mask if mask is None else mask + window_mask
         certify = self.stats is not None and t == 1
         res = hajek_attention(
             q, keys, values, offset, scale=scale, mask=mask,
@@ -218,8 +244,9 @@ class CompressedState:
         s = buf.tail_slots
         stats.tail_mass.append((p[..., :s] @ self._tail[layer]).reshape(bsz, n_q))  # sum of p over real tail slots
         if res.variance is not None:
-            var = res.variance.reshape(bsz, n_q).masked_fill(~self.certificate_rows[:, None], float("nan"))
-            stats.variance.append(var)
+            undefined = ~self.certificate_rows[:, None] if buf.compressed else torch.ones_like(
+                self.certificate_rows[:, None])
+            stats.variance.append(res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan")))
         if self.has_oracle:
             exact = self._oracle(layer, q, buf, scale)
             stats.error.append((out - exact).norm(dim=-1).reshape(bsz, n_q))
@@ -231,10 +258,17 @@ class CompressedState:
         kt, fv = self._oracle_kt[layer], self._oracle_v[layer]
         app_k = buf.oracle_keys[:, :, : buf.oracle_length]
         app_v = buf.oracle_values[:, :, : buf.oracle_length]
+        if buf.window is not None:  # positions are [0, prefix) then the own part: keep the last `window` of them
+            first = max(0, self.position - buf.window + 1)
+            kt, fv = kt[..., min(first, self.oracle_prefix):], fv[:, min(first, self.oracle_prefix):]
+            own_first = max(0, first - self.oracle_prefix)
+            app_k, app_v = app_k[:, :, own_first:], app_v[:, :, own_first:]
         qh = q.transpose(0, 1).reshape(n_kv, bsz * g, d)
         lf = torch.matmul(qh, kt).mul_(scale).view(n_kv, bsz, g, -1)  # (Hkv, B, g, n)
         la = (q @ app_k.transpose(-1, -2)).mul_(scale).transpose(0, 1)  # (Hkv, B, g, a)
-        m = torch.maximum(lf.amax(-1, keepdim=True), la.amax(-1, keepdim=True))
+        m = la.amax(-1, keepdim=True)  # the own part holds at least the query's token
+        if lf.shape[-1]:
+            m = torch.maximum(lf.amax(-1, keepdim=True), m)
         ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
         z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
         num = torch.matmul(ef.view(n_kv, bsz * g, -1), fv).view(n_kv, bsz, g, d) + ea @ app_v.transpose(0, 1)

@@ -4,6 +4,10 @@ registered design, and the tokens that are always kept (the observation window, 
 Budget accounting: a budget is a fraction of the tokens in the cache at compression time (`region`: the whole
 prompt when compress_after=prompt, the context when compress_after=context); the always-kept tokens count against
 it and the design draws the rest from the candidates before them.
+
+Sliding-window layers (Gemma 2/3, Mistral-style, gpt-oss-style alternating layers) are not compressed: their window
+already bounds their cache, so they keep exactly the last `window - 1` tokens before the next position (every
+policy, pi = 1, no certificate), and a budget applies to the full-attention layers only.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ def compress(
     scale: float,
     generator: torch.Generator,
     pool_kernel: int = 5,
+    layer_windows: list[int | None] | None = None,
 ) -> Compressed:
     """Select the kept prompt tokens of every layer.
 
@@ -49,7 +54,7 @@ def compress(
     n_layers = len(full_keys)
     n_kv = full_keys[0].shape[1]
     device = full_keys[0].device
-    if policy.is_full:
+    if policy.is_full:  # every token (a sliding-window layer's mask hides those that left its window)
         idx = torch.arange(region, device=device).expand(n_kv, region)
         zeros = torch.zeros(n_kv, region, device=device)
         return Compressed(indices=[idx] * n_layers, offset=[zeros] * n_layers,
@@ -70,6 +75,20 @@ def compress(
     indices = torch.cat([sel.indices, always], dim=-1)
     offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
     omp = sel.one_minus_pi[..., : sel.tail_slots]
-    kept = float(sel.kept_counts.double().mean()) + n_forced
-    return Compressed(indices=list(indices), offset=list(offset), one_minus_pi=list(omp),
-                      tail_slots=[sel.tail_slots] * n_layers, kept_tokens=kept)
+    kept_counts = sel.kept_counts.double() + n_forced  # (L, Hkv)
+    out = Compressed(indices=list(indices), offset=list(offset), one_minus_pi=list(omp),
+                     tail_slots=[sel.tail_slots] * n_layers, kept_tokens=float(kept_counts.mean()))
+    windows = layer_windows or [None] * n_layers
+    if all(w is None for w in windows):
+        return out
+    full = [layer for layer, w in enumerate(windows) if w is None]
+    for layer, w in enumerate(windows):
+        if w is not None:  # keep the window exactly
+            lo_w = max(0, region - (w - 1))
+            out.indices[layer] = torch.arange(lo_w, region, device=device).expand(n_kv, region - lo_w)
+            out.offset[layer] = torch.zeros(n_kv, region - lo_w, device=device)
+            out.one_minus_pi[layer] = out.one_minus_pi[layer][:, :0]
+            out.tail_slots[layer] = 0
+    kept = float(kept_counts[full].mean()) if full else float("nan")  # the budget's layers only
+    return Compressed(indices=out.indices, offset=out.offset, one_minus_pi=out.one_minus_pi,
+                      tail_slots=out.tail_slots, kept_tokens=kept)

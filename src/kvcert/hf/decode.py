@@ -43,6 +43,7 @@ class VariantResult:
     answer: str
     kept_tokens: float
     stats: dict[str, np.ndarray]  # name -> (n_answer, layers, query heads), float32; missing when not computed
+    compressed_layers: tuple[bool, ...] = ()  # per layer: compressed (False: a sliding window kept exactly)
 
 
 class StopDetector:

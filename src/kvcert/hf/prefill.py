@@ -40,6 +40,11 @@ class Prompt:
     example_id: str = ""
 
 
+def layer_windows(model) -> list[int | None]:
+    """Each decoder layer's sliding window as its attention module declares it (None: full attention)."""
+    return [getattr(layer.self_attn, "sliding_window", None) for layer in model.model.layers]
+
+
 def _example_id(prompt) -> str:
     example = getattr(prompt, "example", None)
     return str(getattr(prompt, "example_id", None) or getattr(example, "id", "") or "")
@@ -59,6 +64,7 @@ class Prefill:
     context_window: tuple[int, int]  # the question-agnostic scorer's window [lo, hi) (last context tokens)
     scale: float
     last_logits: torch.Tensor  # (1, V): the full cache's first answer token
+    layer_windows: list[int | None]  # each layer's sliding window (None: full attention)
 
     @classmethod
     @torch.no_grad()
@@ -80,7 +86,8 @@ class Prefill:
         return cls(model=model, input_ids=ids_list, question_start=qs,
                    example_id=example_id if example_id is not None else _example_id(prompt),
                    full_keys=state.full_keys, full_values=state.full_values, window_queries=state.captured,
-                   context_window=(ctx_lo, qs), scale=attention_scale(model), last_logits=logits)
+                   context_window=(ctx_lo, qs), scale=attention_scale(model), last_logits=logits,
+                   layer_windows=layer_windows(model))
 
     # ---------------------------------------------------------------------------------------------- compress
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
@@ -96,7 +103,8 @@ class Prefill:
             forced = (qs, n)
         generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
         return compress(policy, self.full_keys, region=region, forced=forced, window_queries=queries,
-                        scale=self.scale, generator=generator, pool_kernel=pool_kernel)
+                        scale=self.scale, generator=generator, pool_kernel=pool_kernel,
+                        layer_windows=self.layer_windows)
 
     @torch.no_grad()
     def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
@@ -153,7 +161,8 @@ class CompressedBatch:
                                     on_step=on_step)
                 for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(part.rows, part.comps, rows):
                     out[i] = VariantResult(policy=self.policies[i], tokens=tokens, logprobs=logprobs, n_answer=n_ans,
-                                           answer=answer, kept_tokens=comp.kept_tokens, stats=stats)
+                                           answer=answer, kept_tokens=comp.kept_tokens, stats=stats,
+                                           compressed_layers=tuple(b.compressed for b in part.state.layers))
         return [out[i] for i in range(len(self.policies))]
 
 
@@ -181,9 +190,16 @@ def _build_state(comps: list[Compressed], policies: list[Policy], prefill: Prefi
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
         own = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device) if oracle else None
+        window = prefill.layer_windows[layer]
+        positions = None
+        if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
+            positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=k_full.device)
+            for row, c in enumerate(comps):
+                positions[row, : c.indices[layer].shape[-1]] = c.indices[layer][0]
         layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp,
                                    value_sq_norms=values[:, :, :slots].square().sum(-1), tail_slots=slots,
-                                   length=width, oracle_keys=own, oracle_values=None if own is None else own.clone()))
+                                   length=width, oracle_keys=own, oracle_values=None if own is None else own.clone(),
+                                   compressed=window is None, window=window, positions=positions))
     prefix_k = [k[:, :, :region] for k in prefill.full_keys] if oracle else None
     prefix_v = [v[:, :, :region] for v in prefill.full_values] if oracle else None
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
@@ -214,6 +230,8 @@ def _merge(parts: list[_Part], prefill: Prefill, options: DecodeOptions) -> _Par
         vsq = ref.new_zeros(b_total, n_kv, slots)
         own_k = ref.new_zeros(b_total, n_kv, (n - qs) + options.max_new_tokens + 1, d) if oracle else None
         own_v = torch.zeros_like(own_k) if oracle else None
+        window = prefill.layer_windows[layer]
+        positions = torch.full((b_total, cap), -1, dtype=torch.long, device=ref.device) if window else None
         row = 0
         for b in bufs:
             r = slice(row, row + b.keys.shape[0])
@@ -222,6 +240,8 @@ def _merge(parts: list[_Part], prefill: Prefill, options: DecodeOptions) -> _Par
             offset[r, :, : b.length] = b.offset[:, :, : b.length]
             omp[r, :, : b.tail_slots] = b.one_minus_pi
             vsq[r, :, : b.tail_slots] = b.value_sq_norms
+            if positions is not None:
+                positions[r, : b.length] = b.positions[:, : b.length]
             if oracle:
                 if b.oracle_length:  # after-context rows: the question tokens they read themselves
                     own_k[r, :, : b.oracle_length] = b.oracle_keys[:, :, : b.oracle_length]
@@ -232,7 +252,8 @@ def _merge(parts: list[_Part], prefill: Prefill, options: DecodeOptions) -> _Par
             row += b.keys.shape[0]
         layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp, value_sq_norms=vsq,
                                    tail_slots=slots, length=length, oracle_keys=own_k, oracle_values=own_v,
-                                   oracle_length=(n - qs) if oracle else 0))
+                                   oracle_length=(n - qs) if oracle else 0, compressed=window is None,
+                                   window=window, positions=positions))
     rows_cert = torch.cat([p.state.certificate_rows for p in parts])
     prefix_k = [k[:, :, :qs] for k in prefill.full_keys] if oracle else None
     prefix_v = [v[:, :, :qs] for v in prefill.full_values] if oracle else None
