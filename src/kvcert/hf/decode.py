@@ -113,9 +113,11 @@ def decode_batch(
     for step in range(options.max_new_tokens):
         for row in active:
             done[row] = done[row] or tokens[row][-1] in eos or stopped(tokens[row])
-        if all(done[row] for row in active):
+        finished = sum(done[row] for row in active)
+        if finished == len(active):
             break
-        if options.drop_finished and any(done[row] for row in active):
+        # compaction copies every buffer once: batch it (a quarter of the rows finished) rather than pay it per row
+        if options.drop_finished and finished and finished >= max(1, len(active) // 4):
             keep = [i for i, row in enumerate(active) if not done[row]]
             state.keep_rows(torch.tensor(keep, device=dev))
             tok = tok[keep]
@@ -131,8 +133,9 @@ def decode_batch(
             tok = logp.argmax(-1)
             lps = logp.gather(-1, tok[:, None])[:, 0].tolist()
             for i, (row, t) in enumerate(zip(active, tok.tolist())):
-                tokens[row].append(t)
-                logprobs[row].append(lps[i])
+                if not (options.drop_finished and done[row]):  # a finished row's answer is over
+                    tokens[row].append(t)
+                    logprobs[row].append(lps[i])
     state.stats = None
     out = []
     for row in range(bsz):
