@@ -99,7 +99,7 @@ def _answer_length(tokenizer, tokens: list[int], eos: set[int], stops: tuple[str
     return n, text[:cut].strip()
 
 
-def _decode(model, tokenizer, state: KVState, first_logits, start_pos: int, policies, comps, opts, eos):
+def _decode(model, tokenizer, state: KVState, first_logits, start_pos: int, policies, comps, opts, eos, on_step=None):
     bsz = first_logits.shape[0]
     dev = first_logits.device
     logp = first_logits.float().log_softmax(-1)
@@ -121,6 +121,8 @@ def _decode(model, tokenizer, state: KVState, first_logits, start_pos: int, poli
         state.stats = StepStats()
         pos = torch.full((bsz, 1), start_pos + step, device=dev, dtype=torch.long)
         logits = forward_with_state(model, tokens[-1][:, None], pos, state)
+        if on_step is not None:
+            on_step(step)
         steps.append({k: torch.stack(v, 0) for k, v in vars(state.stats).items() if v})  # (L, B, Hq)
         if step + 1 < opts.max_new_tokens:
             logp = logits.float().log_softmax(-1)
@@ -153,8 +155,10 @@ def generate_variants(
     *,
     example_id: str,
     options: DecodeOptions = DecodeOptions(),
+    on_step=None,
 ) -> list[VariantResult]:
-    """Decode every policy from one shared prefill; results in the order of `policies`."""
+    """Decode every policy from one shared prefill; results in the order of `policies`. `on_step(step)` is called
+    right after each decode step's forward (benchmark timing)."""
     use_kvcert_attention(model)
     dev = model.device
     n, qs = len(input_ids), question_start
@@ -182,7 +186,7 @@ def generate_variants(
         state = _build_state(comps, record.full_keys, record.full_values, n, options.max_new_tokens + 1,
                              options.oracle, group)
         first = full_logits.expand(len(group), -1)
-        for i, r in zip(aware, _decode(model, tokenizer, state, first, n, group, comps, options, eos)):
+        for i, r in zip(aware, _decode(model, tokenizer, state, first, n, group, comps, options, eos, on_step)):
             out[i] = r
     if agnostic:
         group = [policies[i] for i in agnostic]
@@ -195,7 +199,7 @@ def generate_variants(
                              options.oracle, group)
         b = len(group)
         first = forward_with_state(model, ids[:, qs:].expand(b, -1), pos[:, qs:].expand(b, -1), state)
-        for i, r in zip(agnostic, _decode(model, tokenizer, state, first, n, group, comps, options, eos)):
+        for i, r in zip(agnostic, _decode(model, tokenizer, state, first, n, group, comps, options, eos, on_step)):
             out[i] = r
     return [out[i] for i in range(len(policies))]
 
