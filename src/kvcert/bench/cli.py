@@ -142,9 +142,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                     help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
-    ap.add_argument("--out", default="results/bench")
-    ap.add_argument("--figure", default="results/figures/bench_scaling.png",
-                    help="scaling figure; the roofline figure goes beside it as bench_roofline.png")
+    ap.add_argument("--out", default=None,
+                    help="default results/bench (full) or results/bench/quick (--quick: never overwrites the full one)")
+    ap.add_argument("--figure", default=None, help="scaling figure (default results/figures/bench_scaling.png, "
+                    "--quick: <out>/bench_scaling.png); the roofline figure goes beside it as bench_roofline.png")
     ap.add_argument("--model", default=DEFAULT_MODEL, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1, see section 5)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
@@ -157,6 +158,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     cfg = QUICK_CONFIG if args.quick else FULL_CONFIG
+    args.out = args.out or ("results/bench/quick" if args.quick else "results/bench")
+    default_figure = f"{args.out}/bench_scaling.png" if args.quick else "results/figures/bench_scaling.png"
+    args.figure = args.figure or default_figure
     if args.device == "cpu":  # 1 thread by default: on a shared 2-core machine 2 spinning OpenMP threads lose badly
         torch.set_num_threads(args.threads or 1)
     if args.integration:

@@ -179,7 +179,7 @@ def write_markdown(res: dict, path: Path) -> None:
     lines += ["", f"Attention kernel alone (`hajek_attention`, shape {a['shape']}): plain {a['plain_s'] * 1e3:.3f} ms, "
               f"with certificate {a['certificate_s'] * 1e3:.3f} ms ({a['ratio']:.3f}x).", ""]
     sc = res["scaling"]
-    lines += ["## 3. Scaling (log-log slopes; figure `results/figures/bench_scaling.png`)", "",
+    lines += ["## 3. Scaling (log-log slopes; figure `bench_scaling.png`)", "",
               "| cost | slope vs tokens (per variants) | slope vs variants (per tokens) |", "|---|---|---|"]
     for k, v in sc.items():
         fmt = lambda m: ", ".join(f"{a}: {b:.2f}" for a, b in m.items()) or "-"  # noqa: E731
@@ -196,7 +196,8 @@ def write_markdown(res: dict, path: Path) -> None:
         lines += [f"| torch.set_num_threads({c}) | {s * 1e3:.1f} |" for c, s in t["num_threads_step_s"].items()]
         lines += [f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |"
                   for k, s in t["omp_wait_policy_step_s"].items()]
-        lines += ["", f"Faster: {t['best_num_threads']} thread(s); OMP_WAIT_POLICY {t['best_omp_wait_policy']}."]
+        best_omp = f"; OMP_WAIT_POLICY {t['best_omp_wait_policy']}" if t.get("best_omp_wait_policy") else ""
+        lines += ["", f"Faster: {t['best_num_threads']} thread(s){best_omp}."]
     if ex:
         lines += ["", f"## 6. End to end: confirmatory examples, before vs after ({ex['variants']} variants, tasks "
                   f"{', '.join(ex['tasks'])}, prompt tokens {ex['lengths']}, {ex['examples']} examples x "
@@ -216,7 +217,7 @@ def write_markdown(res: dict, path: Path) -> None:
             lines += ["", f"Answers identical before vs after: {ex['answers_identical']:.1%} of variants."]
     if roof:
         m = roof["machine"]
-        lines += ["", "## 7. Roofline (figure `results/figures/bench_roofline.png`)", "",
+        lines += ["", "## 7. Roofline (figure `bench_roofline.png`, beside the scaling figure)", "",
                   f"Machine, measured in this run at {m['bandwidth']['threads']} thread(s): read bandwidth "
                   f"{m['bandwidth']['read_Bps'] / 1e9:.1f} GB/s (sum over {m['bandwidth']['tensor_mb']} MiB; copy "
                   f"{m['bandwidth']['copy_Bps'] / 1e9:.1f} GB/s), matmul "
