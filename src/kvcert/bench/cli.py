@@ -1,5 +1,6 @@
-"""`python -m kvcert.bench`: run the benchmark profile and write results/bench/bench_<device>.{json,md} and the
-figures."""
+"""Speed, memory and roofline benchmark of kvcert's decoding -> results/bench/bench_<device>.{json,md} + figures.
+
+`run_bench` runs a profile on a loaded model; `main` is `python -m kvcert.bench`."""
 
 from __future__ import annotations
 
