@@ -194,7 +194,8 @@ def confirmatory_workload(model, tokenizer, cfg) -> tuple[list, list[dict], obje
 
         for length in cfg.example_lengths:
             for task in tasks:
-                for ex in make_examples(task, cfg.example_per_cell, int(length), tokenizer, seed=int(ccfg.seed)):
+                for ex in make_examples(task, cfg.example_per_cell, int(length), tokenizer, seed=int(ccfg.seed),
+                                        source=ccfg.task.source):
                     r = render(ex, tokenizer)
                     prompts.append(dict(id=ex.id, task=task, tokens=len(r.input_ids), ids=r.input_ids,
                                         question_start=r.question_start, stop=tuple(r.stop_strings)))
