@@ -8,7 +8,7 @@ export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench clean
+.PHONY: help install test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -60,8 +60,11 @@ reproduce: $(STAMP) ## lock check -> every claim -> analysis -> scorecard + figu
 analyze: $(STAMP) ## recompute tables, figures and the scorecard from the records
 	$(PY) -m kvcert.claims analyze
 
-bench: $(STAMP) ## speed/memory ratios, written to results/bench/
-	$(PY) -m kvcert.bench
+bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)
+	$(PY) -m kvcert.bench $(BENCH_ARGS)
+
+cluster-check: $(STAMP) ## install the cluster extra; a 2-cell sweep via submitit (local) and Ray (local head) must equal basic's records
+	$(PY) -m kvcert.bench.cluster_check --install
 
 clean: ## remove Hydra outputs and caches (keeps results/ and .venv)
 	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from kvcert.bench.cli import main
+
+raise SystemExit(main())

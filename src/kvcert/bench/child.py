@@ -1,0 +1,142 @@
+"""The child-process protocol: measurements that need a fresh process (peak memory over a clean baseline, the
+OMP_WAIT_POLICY environment) run as
+
+    python -m kvcert.bench.child {memory|decode} --model ... [--tokens --variants --max-new-tokens --steps --reps]
+
+with kvcert's src on PYTHONPATH; the child prints one JSON object as the last line of stdout and exits 0, or exits
+non-zero with the error on stderr (the parent raises with its last line)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from kvcert.bench.common import FULL_CONFIG, load, no_eos, policy_grid, run_generate, synthetic_prompt
+
+
+def run_child(args: list[str], env_extra: dict[str, str] | None = None, drop: tuple[str, ...] = (),
+              timeout: float = 1800) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(env_extra or {})
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    res = subprocess.run([sys.executable, "-m", "kvcert.bench.child", *args], capture_output=True, text=True,
+                         env=env, timeout=timeout)
+    if res.returncode != 0:
+        raise RuntimeError(f"bench child {args} failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def rss_mb() -> float:
+    """Current resident set size (Linux /proc; falls back to the max-RSS watermark elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return kb / 1024 if sys.platform != "darwin" else kb / 2**20
+
+
+@contextmanager
+def rss_peak_sampler(interval_s: float = 0.002):
+    """Peak current RSS while the block runs (ru_maxrss alone is useless here: model loading sets a higher
+    watermark than the run itself)."""
+    peak = [rss_mb()]
+    stop = threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_mb())
+            stop.wait(interval_s)
+
+    th = threading.Thread(target=poll, daemon=True)
+    th.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        th.join()
+        peak[0] = max(peak[0], rss_mb())
+
+
+def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) -> dict:
+    from kvcert.hf import DecodeOptions
+
+    torch.set_num_threads(1)  # memory does not depend on it; time does (see section 5)
+    model, _ = load(model_name, device, dtype)
+    ids, qs = synthetic_prompt(model, tokens)
+    policies = policy_grid(variants)
+    cuda = torch.device(device).type == "cuda"
+    with no_eos(model):
+        # the working set of a tiny warm-up run (allocator, kernels, lazily built modules) is baseline, not config
+        run_generate(model, ids[: min(64, tokens)], min(qs, 32), policies[:1], DecodeOptions(max_new_tokens=2),
+                     device)
+        base = rss_mb()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_gpu = torch.cuda.memory_allocated() / 2**20
+        with rss_peak_sampler() as peak:
+            run_generate(model, ids, qs, policies, DecodeOptions(max_new_tokens=max_new_tokens), device)
+    out = dict(rss_baseline_mb=base, rss_peak_mb=peak[0], peak_delta_mb=max(peak[0] - base, 0.0))
+    if cuda:
+        out["gpu_peak_delta_mb"] = torch.cuda.max_memory_allocated() / 2**20 - base_gpu
+    return out
+
+
+def child_decode(model_name, device, dtype, cfg, threads: int) -> dict:
+    from kvcert.bench.measure import DECODE_CONFIGS, bench_decode
+
+    torch.set_num_threads(threads)
+    model, _ = load(model_name, device, dtype)
+    with no_eos(model):
+        res = bench_decode(model, cfg, device, lambda m: None, configs={"certificate": DECODE_CONFIGS["certificate"]})
+    return dict(step_s=res["certificate"]["step_s"], threads=torch.get_num_threads())
+
+
+def bench_memory(model_name, cfg, device, dtype, log) -> list[dict]:
+    rows = []
+    for n in cfg.memory_lengths:
+        for v in cfg.memory_variants:
+            r = run_child(["memory", "--model", model_name, "--device", device, "--dtype", dtype, "--tokens", str(n),
+                           "--variants", str(v), "--max-new-tokens", str(cfg.max_new_tokens)])
+            rows.append(dict(tokens=n, variants=v, **r))
+            log(f"  memory n={n} N={v}: peak RSS delta {r['peak_delta_mb']:.0f} MB")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvcert.bench.child")
+    ap.add_argument("kind", choices=["memory", "decode"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--variants", type=int, default=24)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if a.kind == "memory":
+        r = child_memory(a.model, a.device, a.dtype, a.tokens, a.variants, a.max_new_tokens)
+    else:
+        cfg = replace(FULL_CONFIG, decode_tokens=a.tokens, decode_variants=a.variants, decode_steps=a.steps,
+                      decode_reps=a.reps)
+        r = child_decode(a.model, a.device, a.dtype, cfg, a.threads or torch.get_num_threads())
+    print(json.dumps(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
