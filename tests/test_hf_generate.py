@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from conftest import hf_greedy
 from kvcert.core import gather_tokens
 from kvcert.hf import DecodeOptions, Prefill, Prompt, generate_variants, tiny_random_model
-from kvcert.hf.attention import CompressedState
+from kvcert.hf.attention import Bucket
 from kvcert.policy import FULL, Policy
 
 DESIGNS = ["topk", "randomized", "randomized_no_offset", "uniform"]
@@ -89,18 +89,18 @@ def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
     model, _ = tiny_random_model("llama")
     ids = _prompt(3)
     seen = {}
-    original = CompressedState.attend
+    original = Bucket.attend
 
-    def spy(self, layer, query, key, value, scale):
-        out = original(self, layer, query, key, value, scale)
+    def spy(self, layer, query, key, value, scale, window, **kwargs):
+        out, step = original(self, layer, query, key, value, scale, window, **kwargs)
         if layer == 0 and query.shape[-2] == 1 and "q" not in seen:
             buf = self.layers[0]
             seen.update(q=query.clone(), out=out.clone(), keys=buf.keys[:, :, : buf.length].clone(),
                         values=buf.values[:, :, : buf.length].clone(), offset=buf.offset[:, :, : buf.length].clone(),
                         oracle_k=self._oracle_kt[0].transpose(-1, -2)[None].clone())
-        return out
+        return out, step
 
-    monkeypatch.setattr(CompressedState, "attend", spy)
+    monkeypatch.setattr(Bucket, "attend", spy)
     policy = Policy(scorer="window_question", design="randomized", budget=0.4, seed=1)
     generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=2))
     # direct float64 Hajek ratio: sum (w/pi) v / sum (w/pi) over the kept tokens, the kept (k, v) being rows of

@@ -151,11 +151,12 @@ class StepStats:
     p_max: list[torch.Tensor] = field(default_factory=list)
 
 
-class CompressedState:
-    """The compressed caches of a batch of variants, and the certificate and oracle computed beside attention.
+class Bucket:
+    """Rows whose compressed caches share one set of buffers (similar widths), with the certificate and the oracle
+    computed beside attention.
 
     The oracle of a variant is exact attention of its query over `oracle_prefix` (the first tokens of the full
-    prefill, shared by the batch) followed by the variant's own part `LayerBuffers.oracle_keys[:oracle_length]`,
+    prefill, shared by the bucket) followed by the variant's own part `LayerBuffers.oracle_keys[:oracle_length]`,
     which starts with whatever the caller put there and receives every token the variant appends.
     """
 
@@ -169,9 +170,7 @@ class CompressedState:
     ):
         self.layers = layers
         self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
-        self.compute_certificate = True
-        self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
-        self.position = 0  # absolute position of the next token (set by forward_with_state)
+        self.position = 0  # absolute position of the next token (set by the state)
         self.oracle_prefix = oracle_prefix_keys[0].shape[-2] if oracle_prefix_keys else 0
         self.has_oracle = oracle_prefix_keys is not None
         # the shared oracle prefix in a matmul layout (a broadcast matmul would copy it once per variant)
@@ -191,7 +190,8 @@ class CompressedState:
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               window: int | None = None):
+               window: int | None, *, stats: bool, certificate: bool) -> tuple[torch.Tensor, dict | None]:
+        """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step)."""
         buf = self.layers[layer]
         if window != buf.window:
             raise RuntimeError(f"layer {layer}: the model's sliding window ({window}) is not the buffer's "
@@ -225,31 +225,29 @@ class CompressedState:
             stale = buf.positions[:, None, None, :hi] <= (q_pos - window)[None, None, :, None]
             window_mask = torch.zeros(stale.shape, device=q.device, dtype=q.dtype).masked_fill_(stale, float("-inf"))
             mask = window_mask if mask is None else mask + window_mask
-        certify = self.stats is not None and t == 1
+        certify = stats and t == 1
         res = hajek_attention(
             q, keys, values, offset, scale=scale, mask=mask,
-            one_minus_pi=buf.one_minus_pi if certify and self.compute_certificate else None,
+            one_minus_pi=buf.one_minus_pi if certify and certificate else None,
             variance_slots=buf.tail_slots, value_sq_norms=buf.value_sq_norms,
         )
-        if certify:
-            self._record_step(layer, q, res, buf, scale, bsz, n_q)
-        return res.output.reshape(bsz, n_q, t, d).to(query.dtype)
+        step = self._step_stats(layer, q, res, buf, scale, bsz, n_q) if certify else None
+        return res.output.reshape(bsz, n_q, t, d).to(query.dtype), step
 
-    def _record_step(self, layer, q, res, buf, scale, bsz, n_q):
-        stats = self.stats
+    def _step_stats(self, layer, q, res, buf, scale, bsz, n_q) -> dict[str, torch.Tensor]:
         p = res.weights  # (B, Hkv, group, L)
         out = res.output
-        stats.out_norm.append(out.norm(dim=-1).reshape(bsz, n_q))
-        stats.p_max.append(p.amax(-1).reshape(bsz, n_q))
+        step = {"out_norm": out.norm(dim=-1).reshape(bsz, n_q), "p_max": p.amax(-1).reshape(bsz, n_q)}
         s = buf.tail_slots
-        stats.tail_mass.append((p[..., :s] @ self._tail[layer]).reshape(bsz, n_q))  # sum of p over real tail slots
+        step["tail_mass"] = (p[..., :s] @ self._tail[layer]).reshape(bsz, n_q)  # sum of p over real tail slots
         if res.variance is not None:
             undefined = ~self.certificate_rows[:, None] if buf.compressed else torch.ones_like(
                 self.certificate_rows[:, None])
-            stats.variance.append(res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan")))
+            step["variance"] = res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan"))
         if self.has_oracle:
             exact = self._oracle(layer, q, buf, scale)
-            stats.error.append((out - exact).norm(dim=-1).reshape(bsz, n_q))
+            step["error"] = (out - exact).norm(dim=-1).reshape(bsz, n_q)
+        return step
 
     def _oracle(self, layer, q, buf, scale) -> torch.Tensor:
         """Exact attention of the query over [shared prefix, own part]: one (Hkv, B*group, d) @ (Hkv, d, n) matmul
@@ -273,3 +271,56 @@ class CompressedState:
         z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
         num = torch.matmul(ef.view(n_kv, bsz * g, -1), fv).view(n_kv, bsz, g, d) + ea @ app_v.transpose(0, 1)
         return (num / z).transpose(0, 1)  # (B, Hkv, g, d)
+
+
+class CompressedState:
+    """The compressed caches of a batch of variants: buckets of rows (one per compression time and width range),
+    decoded in one forward; attention, certificate and oracle run per bucket, so no row pays for another's width."""
+
+    def __init__(self, buckets: list[Bucket]):
+        self.buckets = buckets
+        self.compute_certificate = True
+        self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
+        self.position = 0  # absolute position of the next token (set by forward_with_state)
+
+    @property
+    def batch_size(self) -> int:
+        return sum(b.batch_size for b in self.buckets)
+
+    @property
+    def layers(self) -> list[LayerBuffers]:
+        """The first bucket's buffers (every bucket has the same layer structure)."""
+        return self.buckets[0].layers
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rows `rows` (sorted indices into the batch) and drop the others."""
+        kept, start = [], 0
+        for bucket in self.buckets:
+            n = bucket.batch_size
+            local = rows[(rows >= start) & (rows < start + n)] - start
+            if len(local) == n:
+                kept.append(bucket)
+            elif len(local):
+                bucket.keep_rows(local)
+                kept.append(bucket)
+            start += n
+        self.buckets = kept
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        want = self.stats is not None
+        outs, steps, start = [], [], 0
+        for bucket in self.buckets:
+            n = bucket.batch_size
+            bucket.position = self.position
+            rows = slice(start, start + n) if len(self.buckets) > 1 else slice(None)
+            out, step = bucket.attend(layer, query[rows], key[rows], value[rows], scale, window, stats=want,
+                                      certificate=self.compute_certificate)
+            outs.append(out)
+            steps.append(step)
+            start += n
+        if want and steps[0] is not None:
+            for name in steps[0]:
+                getattr(self.stats, name).append(steps[0][name] if len(steps) == 1 else
+                                                 torch.cat([st[name] for st in steps]))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.core.hajek import gather_tokens
-from kvcert.hf.attention import CompressedState, LayerBuffers, RecordState, forward_with_state, kvcert_attention_on
+from kvcert.hf.attention import (
+    Bucket,
+    CompressedState,
+    LayerBuffers,
+    RecordState,
+    forward_with_state,
+    kvcert_attention_on,
+)
 from kvcert.hf.compress import Compressed, compress
 from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
 from kvcert.policy import Policy
@@ -108,29 +115,52 @@ class Prefill:
 
     @torch.no_grad()
     def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
-        """Every policy's compressed cache; variants compressed after the context read the question now."""
+        """Every policy's compressed cache; variants compressed after the context read the question now.
+
+        With `options.one_batch`, rows of similar width share a bucket (attention, certificate and oracle run per
+        bucket, so a 25% variant never pays for the full cache's width) and every bucket decodes in one forward.
+        Without it, each compression time is one bucket decoded on its own (the earlier, slower path)."""
         n, qs = len(self.input_ids), self.question_start
         parts = []
         for when in ("prompt", "context"):
             rows = [i for i, p in enumerate(policies) if p.compress_after == when]
             if not rows:
                 continue
-            group = [policies[i] for i in rows]
-            comps = [self._compress_one(p, options.pool_kernel) for p in group]
+            comps = {i: self._compress_one(policies[i], options.pool_kernel) for i in rows}
             region = n if when == "prompt" else qs
-            state = _build_state(comps, group, self, region=region, capacity=(n - region) + options.max_new_tokens + 1,
-                                 oracle=options.oracle)
+            groups = _by_width(rows, comps) if options.one_batch else [rows]
+            rows = [i for g in groups for i in g]
+            state = CompressedState([
+                _build_bucket([comps[i] for i in g], [policies[i] for i in g], self, region=region,
+                              capacity=(n - region) + options.max_new_tokens + 1, oracle=options.oracle)
+                for g in groups])
             if when == "prompt":
-                first = self.last_logits.expand(len(group), -1)
+                first = self.last_logits.expand(len(rows), -1)
             else:
-                ids = torch.tensor([self.input_ids[qs:]], device=self.model.device).expand(len(group), -1)
-                pos = torch.arange(qs, n, device=self.model.device)[None].expand(len(group), -1)
+                ids = torch.tensor([self.input_ids[qs:]], device=self.model.device).expand(len(rows), -1)
+                pos = torch.arange(qs, n, device=self.model.device)[None].expand(len(rows), -1)
                 with kvcert_attention_on(self.model):
                     first = forward_with_state(self.model, ids, pos, state)
-            parts.append(_Part(rows=rows, state=state, comps=comps, first_logits=first))
-        if options.one_batch and len(parts) > 1:
-            parts = [_merge(parts, self, options)]
+            parts.append(_Part(rows=rows, state=state, comps=[comps[i] for i in rows], first_logits=first))
+        if options.one_batch and len(parts) > 1:  # both sit at position n now: one batch, the buckets side by side
+            parts = [_Part(rows=[i for p in parts for i in p.rows],
+                           state=CompressedState([b for p in parts for b in p.state.buckets]),
+                           comps=[c for p in parts for c in p.comps],
+                           first_logits=torch.cat([p.first_logits for p in parts]))]
         return CompressedBatch(model=self.model, policies=list(policies), parts=parts, start=n)
+
+
+def _by_width(rows: list[int], comps: dict[int, Compressed], ratio: float = 0.6) -> list[list[int]]:
+    """Rows sorted by kept width, widest first, cut into buckets whose narrowest row keeps at least `ratio` of the
+    widest one's tokens (padding inside a bucket stays under 1 / ratio)."""
+    width = {i: max(ix.shape[-1] for ix in comps[i].indices) for i in rows}
+    groups: list[list[int]] = []
+    for i in sorted(rows, key=lambda r: -width[r]):
+        if groups and width[i] >= ratio * width[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 @dataclass(kw_only=True)
@@ -167,8 +197,8 @@ class CompressedBatch:
 
 
 # ------------------------------------------------------------------------------------------------ the buffers
-def _build_state(comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int,
-                 oracle: bool) -> CompressedState:
+def _build_bucket(comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int,
+                  oracle: bool) -> Bucket:
     """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
     The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
     layers = []
@@ -203,61 +233,4 @@ def _build_state(comps: list[Compressed], policies: list[Policy], prefill: Prefi
     prefix_k = [k[:, :, :region] for k in prefill.full_keys] if oracle else None
     prefix_v = [v[:, :, :region] for v in prefill.full_values] if oracle else None
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
-    return CompressedState(layers, certificate_rows=rows, oracle_prefix_keys=prefix_k, oracle_prefix_values=prefix_v)
-
-
-def _merge(parts: list[_Part], prefill: Prefill, options: DecodeOptions) -> _Part:
-    """One batch from the after-prompt and after-context parts. Both sit at the same next position; each row keeps
-    its own filled entries, padding (offset -inf) up to the longest, then room for the answer. The oracle's shared
-    prefix becomes the context; an after-prompt row's own part starts with the full prefill's question tokens, an
-    after-context row's with the question tokens it read itself (as before the merge)."""
-    qs = prefill.question_start
-    n = len(prefill.input_ids)
-    oracle = options.oracle
-    layers = []
-    for layer in range(len(prefill.full_keys)):
-        bufs = [p.state.layers[layer] for p in parts]
-        length = max(b.length for b in bufs)
-        slots = max(b.tail_slots for b in bufs)
-        cap = length + options.max_new_tokens + 1
-        ref = bufs[0].keys
-        b_total = sum(b.keys.shape[0] for b in bufs)
-        n_kv, d = ref.shape[1], ref.shape[3]
-        keys = ref.new_zeros(b_total, n_kv, cap, d)
-        values = ref.new_zeros(b_total, n_kv, cap, d)
-        offset = ref.new_full((b_total, n_kv, cap), float("-inf"))
-        omp = ref.new_zeros(b_total, n_kv, slots)
-        vsq = ref.new_zeros(b_total, n_kv, slots)
-        own_k = ref.new_zeros(b_total, n_kv, (n - qs) + options.max_new_tokens + 1, d) if oracle else None
-        own_v = torch.zeros_like(own_k) if oracle else None
-        window = prefill.layer_windows[layer]
-        positions = torch.full((b_total, cap), -1, dtype=torch.long, device=ref.device) if window else None
-        row = 0
-        for b in bufs:
-            r = slice(row, row + b.keys.shape[0])
-            keys[r, :, : b.length] = b.keys[:, :, : b.length]
-            values[r, :, : b.length] = b.values[:, :, : b.length]
-            offset[r, :, : b.length] = b.offset[:, :, : b.length]
-            omp[r, :, : b.tail_slots] = b.one_minus_pi
-            vsq[r, :, : b.tail_slots] = b.value_sq_norms
-            if positions is not None:
-                positions[r, : b.length] = b.positions[:, : b.length]
-            if oracle:
-                if b.oracle_length:  # after-context rows: the question tokens they read themselves
-                    own_k[r, :, : b.oracle_length] = b.oracle_keys[:, :, : b.oracle_length]
-                    own_v[r, :, : b.oracle_length] = b.oracle_values[:, :, : b.oracle_length]
-                else:  # after-prompt rows: the full prefill's question tokens
-                    own_k[r, :, : n - qs] = prefill.full_keys[layer][:, :, qs:n].float()
-                    own_v[r, :, : n - qs] = prefill.full_values[layer][:, :, qs:n].float()
-            row += b.keys.shape[0]
-        layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp, value_sq_norms=vsq,
-                                   tail_slots=slots, length=length, oracle_keys=own_k, oracle_values=own_v,
-                                   oracle_length=(n - qs) if oracle else 0, compressed=window is None,
-                                   window=window, positions=positions))
-    rows_cert = torch.cat([p.state.certificate_rows for p in parts])
-    prefix_k = [k[:, :, :qs] for k in prefill.full_keys] if oracle else None
-    prefix_v = [v[:, :, :qs] for v in prefill.full_values] if oracle else None
-    state = CompressedState(layers, certificate_rows=rows_cert, oracle_prefix_keys=prefix_k,
-                            oracle_prefix_values=prefix_v)
-    return _Part(rows=[i for p in parts for i in p.rows], state=state, comps=[c for p in parts for c in p.comps],
-                 first_logits=torch.cat([p.first_logits for p in parts]))
+    return Bucket(layers, certificate_rows=rows, oracle_prefix_keys=prefix_k, oracle_prefix_values=prefix_v)
