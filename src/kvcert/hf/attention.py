@@ -165,17 +165,16 @@ class Bucket:
         layers: list[LayerBuffers],
         *,
         certificate_rows: torch.Tensor,
-        oracle_prefix_keys: list[torch.Tensor] | None = None,
-        oracle_prefix_values: list[torch.Tensor] | None = None,
+        oracle_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     ):
+        """oracle_prefix: per layer (K^T (Hkv, d, n), V (Hkv, n, d)) of the first n prefill tokens, fp32: the shared
+        prefix in a matmul layout (a broadcast matmul would copy it once per variant); None = no oracle."""
         self.layers = layers
         self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
         self.position = 0  # absolute position of the next token (set by the state)
-        self.oracle_prefix = oracle_prefix_keys[0].shape[-2] if oracle_prefix_keys else 0
-        self.has_oracle = oracle_prefix_keys is not None
-        # the shared oracle prefix in a matmul layout (a broadcast matmul would copy it once per variant)
-        self._oracle_kt = [k[0].float().transpose(-1, -2).contiguous() for k in oracle_prefix_keys or []]
-        self._oracle_v = [v[0].float().contiguous() for v in oracle_prefix_values or []]
+        self.has_oracle = oracle_prefix is not None
+        self._oracle_kt, self._oracle_v = oracle_prefix if oracle_prefix is not None else ([], [])
+        self.oracle_prefix = self._oracle_kt[0].shape[-1] if self._oracle_kt else 0
         self._tail = [(b.one_minus_pi > 0).float().unsqueeze(-1) for b in layers]  # 1.0 on real tail slots
 
     @property

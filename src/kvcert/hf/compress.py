@@ -44,6 +44,7 @@ def compress(
     generator: torch.Generator,
     pool_kernel: int = 5,
     layer_windows: list[int | None] | None = None,
+    score_cache: dict | None = None,
 ) -> Compressed:
     """Select the kept prompt tokens of every layer.
 
@@ -63,10 +64,17 @@ def compress(
     n_cand = lo  # candidates are [0, lo); the forced tokens [lo, hi) are kept; nothing after hi exists yet
     n_forced = hi - lo
     n_keep = min(n_cand, max(0, keep_count(policy.budget, region) - n_forced))
-    keys = torch.stack([k[0, :, :n_cand] for k in full_keys])  # (L, Hkv, n_cand, d)
-    queries = torch.stack([w[0] for w in window_queries]) if window_queries is not None else None  # (L, Hq, w, d)
-    scores = SCORERS[policy.scorer].score(keys, window_queries=queries, scale=scale, pool_kernel=pool_kernel,
-                                          generator=generator)
+    # scores depend on the scorer and the candidates only, so policies that differ in design or budget share them
+    # (random scores are drawn from the policy's own generator and never shared)
+    key = (policy.scorer, n_cand, forced, pool_kernel)
+    scores = score_cache.get(key) if score_cache is not None and policy.scorer != "random" else None
+    if scores is None:
+        keys = torch.stack([k[0, :, :n_cand] for k in full_keys])  # (L, Hkv, n_cand, d)
+        queries = torch.stack([w[0] for w in window_queries]) if window_queries is not None else None  # (L,Hq,w,d)
+        scores = SCORERS[policy.scorer].score(keys, window_queries=queries, scale=scale, pool_kernel=pool_kernel,
+                                              generator=generator)
+        if score_cache is not None and policy.scorer != "random":
+            score_cache[key] = scores
     sel: Selection = get_design(policy.design)(
         scores.float().clamp_min(0), n_keep, tail_fraction=policy.tail_fraction, floor=policy.floor,
         score_power=policy.score_power, generator=generator,

@@ -13,7 +13,7 @@ as one batch (`DecodeOptions.one_batch`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,6 +72,8 @@ class Prefill:
     scale: float
     last_logits: torch.Tensor  # (1, V): the full cache's first answer token
     layer_windows: list[int | None]  # each layer's sliding window (None: full attention)
+    _scores: dict = field(default_factory=dict)  # scorer -> scores, shared by the policies of one compress()
+    _oracle_layout: dict = field(default_factory=dict)  # prefix length -> per-layer (K^T, V) in fp32, shared
 
     @classmethod
     @torch.no_grad()
@@ -96,6 +98,13 @@ class Prefill:
                    context_window=(ctx_lo, qs), scale=attention_scale(model), last_logits=logits,
                    layer_windows=layer_windows(model))
 
+    def oracle_prefix(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The first n prompt tokens of every layer in the oracle's matmul layout (K^T, V), fp32; built once."""
+        if n not in self._oracle_layout:
+            self._oracle_layout[n] = ([k[0, :, :n].float().transpose(-1, -2).contiguous() for k in self.full_keys],
+                                      [v[0, :, :n].float().contiguous() for v in self.full_values])
+        return self._oracle_layout[n]
+
     # ---------------------------------------------------------------------------------------------- compress
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
         n, qs = len(self.input_ids), self.question_start
@@ -111,7 +120,7 @@ class Prefill:
         generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
         return compress(policy, self.full_keys, region=region, forced=forced, window_queries=queries,
                         scale=self.scale, generator=generator, pool_kernel=pool_kernel,
-                        layer_windows=self.layer_windows)
+                        layer_windows=self.layer_windows, score_cache=self._scores)
 
     @torch.no_grad()
     def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
@@ -230,7 +239,5 @@ def _build_bucket(comps: list[Compressed], policies: list[Policy], prefill: Pref
                                    value_sq_norms=values[:, :, :slots].square().sum(-1), tail_slots=slots,
                                    length=width, oracle_keys=own, oracle_values=None if own is None else own.clone(),
                                    compressed=window is None, window=window, positions=positions))
-    prefix_k = [k[:, :, :region] for k in prefill.full_keys] if oracle else None
-    prefix_v = [v[:, :, :region] for v in prefill.full_values] if oracle else None
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
-    return Bucket(layers, certificate_rows=rows, oracle_prefix_keys=prefix_k, oracle_prefix_values=prefix_v)
+    return Bucket(layers, certificate_rows=rows, oracle_prefix=prefill.oracle_prefix(region) if oracle else None)
