@@ -334,3 +334,21 @@ def test_packaged_gemma3_plain_render_boundary(gemma3) -> None:
         ex = make_examples(task, 1, 500, tok, seed=5000)[0]
         r = render(ex, tok)
         _check_plain_boundary(tok, ex, r, [tok.bos_token_id])
+
+
+# ---------------------------------------------------------------- phase 2 target (kvcert's own path, not yet hybrid)
+
+
+@pytest.mark.xfail(strict=True, reason="issue #13 phase 2: kvcert's attention does not apply sliding windows yet")
+def test_keep_all_reproduces_transformers_on_tiny_gemma3() -> None:
+    from conftest import hf_greedy
+    from kvcert.hf.generate import DecodeOptions, generate_variants
+    from kvcert.hf.policy import FULL, Policy
+
+    model, _ = tiny_gemma3_model(seed=5)
+    ids = [int(t) for t in torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(1))]
+    steps = 5
+    ref_tokens, ref_lp = hf_greedy(model, ids, steps)
+    policies = [FULL] + [Policy("window_question", d, 1.0) for d in ("topk", "randomized")]
+    for r in generate_variants(model, None, ids, 16, policies, example_id="g", options=DecodeOptions(steps)):
+        assert r.tokens == ref_tokens and max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5
