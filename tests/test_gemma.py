@@ -89,9 +89,8 @@ def test_chunked_model_converts_through_the_atomic_cache(fake_chunks: dict, monk
 
     monkeypatch.setattr(loading, "_convert_gguf", convert)
     cache = fake_chunks["cache"]
-    with pytest.raises(ModelLoadError, match="allow_sliding_window=True"):
-        load_model("fake", cache_dir=str(cache))  # converted, then refused for kvcert's eviction path
-    model, tok = load_model("fake", cache_dir=str(cache), allow_sliding_window=True)
+    model, tok = load_model("fake", cache_dir=str(cache))  # a Gemma 3 hybrid: kvcert's eviction path handles it
+    load_model("fake", cache_dir=str(cache))
     assert seen == [fake_chunks["whole"]]  # converted once, from the assembled file
     assert model.config.model_type == "gemma3_text" and (cache / "fake" / loading.MARKER).is_file()
 
@@ -158,15 +157,16 @@ def test_module_backstop_names_the_layer() -> None:
 
 def test_hybrid_sliding_window_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_gemma3_config()
+    assert "gemma3_text" in loading.SUPPORTED_HYBRID  # kvcert's attention path applies each layer's window
+    loading._check_config("g", cfg)
+    monkeypatch.setattr(loading, "SUPPORTED_HYBRID", frozenset())  # an architecture not (yet) in the set
     with pytest.raises(ModelLoadError) as err:
         loading._check_config("g", cfg)
     msg = str(err.value)
     assert "sliding_attention, window 8" in msg and "kvcert's eviction assumes full attention in every layer" in msg
     assert "allow_sliding_window=True" in msg and "\n" not in msg
     loading._check_config("g", cfg, allow_sliding_window=True)
-    assert "gemma3_text" not in loading.SUPPORTED_HYBRID  # phase 2 adds it together with the hybrid attention path
-    monkeypatch.setattr(loading, "SUPPORTED_HYBRID", frozenset({"gemma3_text"}))
-    loading._check_config("g", cfg)
+    monkeypatch.undo()
     model, _ = tiny_gemma3_model()
     loading.check_supported(model, "g")
     # Mistral-style windows stay refused (not a planned hybrid: no hint)
@@ -323,8 +323,9 @@ def test_packaged_gemma3_loads_and_answers(gemma3) -> None:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=6, do_sample=False)  # one token per digit + a space
     assert tok.decode(out[0, ids.shape[1] :]).strip().startswith("4821"), tok.decode(out[0, ids.shape[1] :])
-    with pytest.raises(ModelLoadError, match="kvcert's eviction assumes full attention in every layer"):
-        load_model("gemma3-270m")  # the runner's call: refused until phase 2
+    runner_model, _ = load_model("gemma3-270m")  # the runner's call: accepted, kvcert handles its hybrid layers
+    assert [getattr(layer.self_attn, "sliding_window", None) for layer in runner_model.model.layers] == (
+        [512] * 5 + [None]) * 3
 
 
 @pytest.mark.slow
@@ -336,19 +337,40 @@ def test_packaged_gemma3_plain_render_boundary(gemma3) -> None:
         _check_plain_boundary(tok, ex, r, [tok.bos_token_id])
 
 
-# ---------------------------------------------------------------- phase 2 target (kvcert's own path, not yet hybrid)
+# ---------------------------------------------------------------- kvcert's own path on the hybrid model
 
 
-@pytest.mark.xfail(strict=True, reason="issue #13 phase 2: kvcert's attention does not apply sliding windows yet")
 def test_keep_all_reproduces_transformers_on_tiny_gemma3() -> None:
     from conftest import hf_greedy
-    from kvcert.hf.generate import DecodeOptions, generate_variants
-    from kvcert.hf.policy import FULL, Policy
+    from kvcert.hf import DecodeOptions, Prompt, generate_variants
+    from kvcert.policy import FULL, Policy
 
     model, _ = tiny_gemma3_model(seed=5)
     ids = [int(t) for t in torch.randint(3, 128, (24,), generator=torch.Generator().manual_seed(1))]
     steps = 5
     ref_tokens, ref_lp = hf_greedy(model, ids, steps)
-    policies = [FULL] + [Policy("window_question", d, 1.0) for d in ("topk", "randomized")]
-    for r in generate_variants(model, None, ids, 16, policies, example_id="g", options=DecodeOptions(steps)):
+    policies = [FULL] + [Policy(scorer="window_question", design=d, budget=1.0) for d in ("topk", "randomized")]
+    prompt = Prompt(input_ids=ids, question_start=16, example_id="g")
+    for r in generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=steps)):
         assert r.tokens == ref_tokens and max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5
+
+
+@pytest.mark.slow
+def test_keep_all_on_the_packaged_gemma3_reproduces_transformers(gemma3) -> None:
+    """A prompt longer than the 512-token window: kvcert's keep-all (every design, both compression times) decodes
+    exactly as transformers does with its own hybrid cache."""
+    from conftest import hf_greedy
+    from kvcert.hf import DecodeOptions, generate_variants
+    from kvcert.policy import FULL, Policy
+
+    model, tok = gemma3
+    ex = make_examples("single_needle", 1, 700, tok, seed=5001)[0]
+    r = render(ex, tok)
+    assert len(r.input_ids) > 600
+    steps = 5
+    ref_tokens, ref_lp = hf_greedy(model, r.input_ids, steps)
+    policies = [FULL] + [Policy(scorer=s, design=d, budget=1.0) for s in ("window_question", "window_context")
+                         for d in ("topk", "randomized", "uniform")]
+    for res in generate_variants(model, tok, r, policies, DecodeOptions(max_new_tokens=steps)):
+        assert res.tokens == ref_tokens, res.policy.label
+        assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-4, res.policy.label

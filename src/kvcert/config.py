@@ -14,6 +14,7 @@ from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
 SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished")}  # change speed, not records: left out of folder hashes
+DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}}  # hashed only when not the default: old folders keep names
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
 
@@ -26,6 +27,7 @@ class ModelConfig:
     name: str = MISSING
     dtype: str = "float32"
     cache_dir: str | None = None
+    prompt_format: str = "auto"  # auto (chat template if the tokenizer has one, else plain) | chat | plain
 
 
 @dataclass
@@ -137,6 +139,7 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError(f"task.context_tokens contains {n}; use lengths between 64 and 131072 tokens")
     _one_of("records.steps", cfg.records.steps, {"head", "none"})
     _one_of("model.dtype", cfg.model.dtype, {"float32", "bfloat16", "float16"})
+    _one_of("model.prompt_format", cfg.model.prompt_format, {"auto", "chat", "plain"})
     _one_of("device", cfg.device.split(":")[0], {"cpu", "cuda"})
     if cfg.decode.max_new_tokens < 1:
         raise ConfigError(f"decode.max_new_tokens={cfg.decode.max_new_tokens} must be >= 1")
@@ -181,6 +184,10 @@ def result_name(cfg: DictConfig) -> str:
     for group, keys in SPEED_ONLY_KEYS.items():
         for k in keys:
             content[group].pop(k, None)
+    for group, defaults in DEFAULT_ONLY_KEYS.items():
+        for k, default in defaults.items():
+            if content[group].get(k) == default:
+                content[group].pop(k, None)
     for entry in content["policy"]["grid"]:
         for k in OPTIONAL_ENTRY_KEYS:
             if entry.get(k) is None:

@@ -83,7 +83,7 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None,
     todo = [i for i in range(len(examples)) if not store.is_done(i)]
     for written, index in enumerate(tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None), 1):
         example = examples[index]
-        prompt = render(example, tokenizer)
+        prompt = render(example, tokenizer, cfg.model.prompt_format)
         results = generate_variants(model, tokenizer, prompt, variants, decode_options(cfg, prompt.stop_strings))
         steps = step_frame(run_dir.name, example.id, results) if cfg.records.steps == "head" else None
         store.write(index, example_frame(run_dir.name, example, len(prompt.input_ids), results), steps)

@@ -13,7 +13,7 @@ marker is treated as absent and redone.
 GGUF is read with transformers' own GGUF reader into a model built from the GGUF's config (the same tensors).
 
 kvcert's eviction assumes full attention in every layer, so configs with sliding-window or mixed attention layers
-actually enabled are refused (architectures listed in ``SUPPORTED_HYBRID`` excepted, none yet), as are configs that
+actually enabled are refused (architectures listed in ``SUPPORTED_HYBRID`` excepted: Gemma 3), as are configs that
 are not causal language models. ``load_model(..., allow_sliding_window=True)`` loads full/sliding hybrids anyway
 for plain transformers generation (calibration, reference decoding), never for kvcert's eviction path. Attention
 kvcert cannot compute at all (linear / recurrent / state-space mixers, attention sinks, logit soft-capping,
@@ -79,10 +79,11 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
 }
-# Architectures (config.model_type) whose sliding-window layers kvcert's own attention/eviction path handles.
-# Empty until the hybrid support lands (issue #13, phase 2, will add "gemma3_text"); until then such models load only
-# with allow_sliding_window=True, for plain transformers generation.
-SUPPORTED_HYBRID: frozenset[str] = frozenset()
+# Architectures (config.model_type) whose sliding-window layers kvcert's own attention/eviction path handles (each
+# layer's window applied in the record pass, the compressed decode and the oracle; sliding layers kept exactly):
+# tested against transformers' own decoding (tests/test_hf_hybrid.py, tests/test_gemma.py). Others with sliding
+# windows load only with allow_sliding_window=True, for plain transformers generation.
+SUPPORTED_HYBRID: frozenset[str] = frozenset({"gemma3_text"})
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 MARKER = "kvcert-complete.json"
 _MARKER_FORMAT = 1
