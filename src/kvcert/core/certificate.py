@@ -190,8 +190,9 @@ def sketched_trace_c2(
 
 
 # ---------------------------------------------------------------------------------------------- quantile, radius
-def chi2_quantile(level: float, dof: torch.Tensor, *, newton_steps: int = 8) -> torch.Tensor:
-    """chi2.ppf(level, dof) for real dof > 0 (tensor), in float64: Wilson-Hilferty start + Newton on gammainc."""
+def chi2_quantile(level: float, dof: torch.Tensor, *, newton_steps: int = 20) -> torch.Tensor:
+    """chi2.ppf(level, dof) for real dof > 0 (tensor), in float64: Newton on gammainc in log(x / 2), started at
+    the larger of Wilson-Hilferty and the small-x lower bound (level Gamma(a + 1))^(1/a), a = dof / 2."""
     if not 0.0 < level < 1.0:
         raise ValueError(f"level must be in (0, 1), got {level!r}")
     h = dof.to(torch.float64).clamp_min(1e-6)
@@ -200,7 +201,8 @@ def chi2_quantile(level: float, dof: torch.Tensor, *, newton_steps: int = 8) -> 
     x = h * (1 - c + z * c.sqrt()).clamp_min(1e-3) ** 3
     a = h / 2
     lg = torch.lgamma(a)
-    u = (x / 2).log()  # Newton in log(y), y = x / 2: f(u) = P(a, e^u) - level
+    low = (math.log(level) + torch.lgamma(a + 1)) / a  # log y with y^a / Gamma(a+1) = level (P(a, y) <= that)
+    u = torch.maximum((x / 2).log(), low)  # Newton in log(y), y = x / 2: f(u) = P(a, e^u) - level
     for _ in range(newton_steps):
         y = u.exp()
         f = torch.special.gammainc(a, y) - level
