@@ -122,6 +122,17 @@ REGIMES = {
 }
 
 
+#: regimes that reproduce study 1's failure pattern (coverage falls with the tail's mass and effective sample size):
+#: well-scored as above; mis-scored (tail tokens with real mass but small pi); very peaked (tail mass ~3e-4, ESS ~6);
+#: peaked and mis-scored (a handful of tail tokens with tiny pi carry ~10% of the mass, ESS ~2)
+FAILURE_REGIMES = {
+    "well-scored": dict(peakedness=1.5, window_noise=0.3),
+    "mis-scored": dict(peakedness=2.0, window_noise=3.0),
+    "very peaked": dict(peakedness=8.0, window_noise=0.3),
+    "peaked, mis-scored": dict(peakedness=6.0, window_noise=1.5),
+}
+
+
 def regime_table(seeds=(1, 2, 3), budgets=(0.25, 0.5), floors=(0.2, 0.5), draws: int = 1000) -> list[dict]:
     """Coverage and E[V_hat]/MSE per regime, budget and floor (n = 1000, d = 64): the README's table."""
     rows = []
