@@ -114,3 +114,23 @@ def test_plot_calibration_writes_a_png(tmp_path):
     curve = calibration_curve(_gaussian_steps(2000), levels=(0.5, 0.9, 0.95))
     path = plot_calibration(curve, tmp_path / "fig" / "cal.png")
     assert path.exists() and path.stat().st_size > 1000
+
+
+def test_ess_ratio_flag_and_bins():
+    df = pd.DataFrame({"error": 0.1, "variance": 1.0, "tail_mass": 0.5, "ess_tail": [15.0, 15.0, 3.0],
+                       "n_tail": [30, 300, 0]})
+    assert list(certificate_trusted(df, ess_ratio_min=0.3)) == [True, False, False]
+    bins = add_strata(df)["ess_ratio_bin"]
+    assert list(bins[:2].astype(str)) == [">=0.3", "[0.05,0.1)"] and pd.isna(bins[2])
+
+
+def test_certificate_mc_smoke():
+    from kvcert.exploratory.certificate_mc import accuracy_cost, candidate_table, simulate_cells
+
+    cells = simulate_cells(draws=20, seeds=range(1, 3), budgets=(0.5,))
+    assert {"error", "variance", "trace_c2", "trace_c2_sketch", "ess_tail", "regime", "floor"} <= set(cells)
+    summary, long = candidate_table(cells)
+    assert {"conservative", "tight", "tight_ess", "conformal_tight"} <= set(summary["radius"])
+    assert summary["coverage_pooled"].between(0, 1).all()
+    cost = accuracy_cost(cells)
+    assert (cost.loc[cost["floor"] == 0.2, "rmse_ratio_to_floor0.2"] == 1).all()

@@ -26,6 +26,8 @@ TAIL_MASS_EDGES = (0.0, 1e-3, 1e-2, 0.1, np.inf)
 TAIL_MASS_LABELS = ("<1e-3", "[1e-3,1e-2)", "[1e-2,0.1)", ">=0.1")
 ESS_EDGES = (0.0, 2.0, 5.0, 10.0, 30.0, np.inf)
 ESS_LABELS = ("<2", "[2,5)", "[5,10)", "[10,30)", ">=30")
+ESS_RATIO_EDGES = (0.0, 0.02, 0.05, 0.1, 0.3, np.inf)
+ESS_RATIO_LABELS = ("<0.02", "[0.02,0.05)", "[0.05,0.1)", "[0.1,0.3)", ">=0.3")
 RADII = ("conservative", "tight", "conservative_ess", "tight_ess")
 
 
@@ -76,7 +78,15 @@ def add_strata(steps: pd.DataFrame) -> pd.DataFrame:
         out["tail_mass_bin"] = pd.cut(out["tail_mass"], TAIL_MASS_EDGES, right=False, labels=TAIL_MASS_LABELS)
     if "ess_tail" in out:
         out["ess_bin"] = pd.cut(out["ess_tail"], ESS_EDGES, right=False, labels=ESS_LABELS)
+        if "n_tail" in out:
+            out["ess_ratio_bin"] = pd.cut(ess_ratio(out), ESS_RATIO_EDGES, right=False, labels=ESS_RATIO_LABELS)
     return out
+
+
+def ess_ratio(steps: pd.DataFrame) -> pd.Series:
+    """ess_tail / n_tail: 1 when the Hajek weights w_i / pi_i are equal over the tail (pi proportional to the decode
+    query's attention, the ideal design); small when the scorer mis-ranks or a few tail tokens dominate."""
+    return steps["ess_tail"] / steps["n_tail"].where(steps["n_tail"] > 0)
 
 
 def coverage_table(
@@ -248,11 +258,15 @@ def nominal_level_of_multiplier(m: float, level: float = 0.95) -> float:
     return float(2 * stats.norm.cdf(m * _z(level)) - 1)
 
 
-def certificate_trusted(steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2) -> pd.Series:
+def certificate_trusted(steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2,
+                        ess_ratio_min: float = 0.0) -> pd.Series:
     """Regime flag from recorded per-cell statistics: the certificate is reported as trusted only where the tail
-    has at least ess_min effective samples AND carries at least tail_mass_min of the attention (thresholds from
-    the Monte Carlo in kvcert.exploratory.certificate_mc; a missing column is not checked)."""
+    has at least ess_min effective samples AND carries at least tail_mass_min of the attention AND (when
+    ess_ratio_min > 0) ess_tail / n_tail >= ess_ratio_min (thresholds from the Monte Carlo in
+    kvcert.exploratory.certificate_mc; a missing column is not checked)."""
     ok = pd.Series(True, index=steps.index)
+    if ess_ratio_min > 0 and "ess_tail" in steps and "n_tail" in steps:
+        ok &= (ess_ratio(steps) >= ess_ratio_min).fillna(False)
     if "ess_tail" in steps:
         ok &= steps["ess_tail"] >= ess_min
     if "tail_mass" in steps:

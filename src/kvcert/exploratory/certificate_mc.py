@@ -88,7 +88,15 @@ def candidate_table(cells: pd.DataFrame, level: float = 0.95, seed: int = 0) -> 
                 names.append("conformal_tight_ess_by_ess")
                 conf["tight_ess_by_ess"] = sc
                 long.append(sc.assign(floor=floor, table="conformal_by_ess"))
-            for by in ("regime", "ess_bin", "tail_mass_bin"):
+                sc = split_conformal(sub, "tight", level=level, per="ess_ratio_bin", n_boot=100, seed=seed,
+                                     radius_frame=rf)
+                mult = sc.groupby("stratum")["multiplier"].mean()
+                rf["r_conformal_tight_by_ess_ratio"] = (rf["r_tight"]
+                                                        * sub["ess_ratio_bin"].astype(str).map(mult).to_numpy())
+                names.append("conformal_tight_by_ess_ratio")
+                conf["tight_by_ess_ratio"] = sc
+                long.append(sc.assign(floor=floor, table="conformal_by_ess_ratio"))
+            for by in ("regime", "ess_bin", "tail_mass_bin", "ess_ratio_bin"):
                 t = coverage_table(sub, by, level=level, radius_frame=rf, names=names)
                 long.append(t.assign(floor=floor, variant=tag, table=by))
             pooled = coverage_table(sub, None, level=level, radius_frame=rf, names=names)
@@ -129,12 +137,13 @@ def threshold_grid(cells: pd.DataFrame, level: float = 0.95, radius: str = "tigh
     rf = radii(sub, level)
     covered = (sub["error"] <= rf[f"r_{radius}"]).to_numpy()
     rows = []
-    for ess_min in (0, 2, 5, 10, 20):
-        for tm_min in (0, 1e-3, 1e-2, 0.1):
-            ok = certificate_trusted(sub, ess_min=ess_min, tail_mass_min=tm_min).to_numpy()
-            rows.append({"radius": radius, "ess_min": ess_min, "tail_mass_min": tm_min, "share_trusted": ok.mean(),
-                         "coverage_trusted": covered[ok].mean() if ok.any() else np.nan,
-                         "coverage_untrusted": covered[~ok].mean() if (~ok).any() else np.nan})
+    for ess_min, tm_min, ratio_min in [(e, t, 0.0) for e in (0, 2, 5, 10, 20) for t in (0, 1e-3, 1e-2, 0.1)] + [
+            (e, 1e-2, r) for e in (0, 10) for r in (0.05, 0.1, 0.2, 0.3, 0.5)]:
+        ok = certificate_trusted(sub, ess_min=ess_min, tail_mass_min=tm_min, ess_ratio_min=ratio_min).to_numpy()
+        rows.append({"radius": radius, "ess_min": ess_min, "tail_mass_min": tm_min, "ess_ratio_min": ratio_min,
+                     "share_trusted": ok.mean(),
+                     "coverage_trusted": covered[ok].mean() if ok.any() else np.nan,
+                     "coverage_untrusted": covered[~ok].mean() if (~ok).any() else np.nan})
     return pd.DataFrame(rows)
 
 
@@ -161,7 +170,8 @@ def main(argv=None) -> None:
     cells = simulate_cells(draws=args.draws, seeds=range(1, args.seeds + 1))
     summary, long = candidate_table(cells)
     cost = accuracy_cost(cells)
-    grid = threshold_grid(cells, radius="tight_ess")
+    grid = pd.concat([threshold_grid(cells, radius=r) for r in ("conservative", "tight", "tight_ess")],
+                     ignore_index=True)
     summary.to_csv(out / "certificate_mc.csv", index=False)
     long.to_csv(out / "certificate_mc_strata.csv", index=False)
     base = cells[cells["floor"] == 0.2]
@@ -171,8 +181,9 @@ def main(argv=None) -> None:
                      "EXPLORATORY Monte Carlo, all regimes (floor 0.2)")
     plot_calibration(curve_well, out / "certificate_mc_calibration_well_scored.png",
                      "EXPLORATORY Monte Carlo, well-scored regime")
-    regimes = (cells[cells["floor"] == 0.2].groupby("regime")
+    regimes = (cells[cells["floor"] == 0.2].assign(ess_ratio=lambda c: c["ess_tail"] / c["n_tail"]).groupby("regime")
                .agg(tail_mass_median=("tail_mass", "median"), ess_median=("ess_tail", "median"),
+                    ess_ratio_median=("ess_ratio", "median"),
                     n_tail_median=("n_tail", "median"))
                .reset_index())
     h = (base["variance"] ** 2 / base["trace_c2"]).groupby(base["regime"]).median()
@@ -182,6 +193,8 @@ def main(argv=None) -> None:
     regimes["E[V_hat]/MSE"] = regimes["regime"].map(ratio)
     by_regime = long[(long["table"] == "regime") & (long["variant"] == "") & (long["floor"] == 0.2)]
     by_ess = long[(long["table"] == "ess_bin") & (long["variant"] == "") & (long["floor"] == 0.2)]
+    by_ratio = long[(long["table"] == "ess_ratio_bin") & (long["variant"] == "") & (long["floor"] == 0.2)]
+    by_regime5 = long[(long["table"] == "regime") & (long["variant"] == "") & (long["floor"] == 0.5)]
     keep = ["n"] + [c for c in by_regime.columns if c.startswith("coverage_")]
     text = f"""# EXPLORATORY: certificate radii and remedies on Monte Carlo
 
@@ -212,11 +225,19 @@ other half (multiplier = mean of the two fits). Trusted = `certificate_trusted` 
 
 {_md(by_ess[["ess_bin"] + keep])}
 
+## Coverage by ess_tail / n_tail bin (floor 0.2)
+
+{_md(by_ratio[["ess_ratio_bin"] + keep])}
+
+## Design remedy floor 0.5: coverage by regime
+
+{_md(by_regime5[["regime"] + keep])}
+
 ## Design remedy: accuracy proxy (RMSE of o_hat) by floor
 
 {_md(cost, "{:.4g}")}
 
-## certificate_trusted thresholds (radius tight_ess, floor 0.2)
+## certificate_trusted thresholds (floor 0.2)
 
 {_md(grid)}
 
