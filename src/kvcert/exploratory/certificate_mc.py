@@ -102,12 +102,12 @@ def candidate_table(cells: pd.DataFrame, level: float = 0.95, seed: int = 0) -> 
             pooled = coverage_table(sub, None, level=level, radius_frame=rf, names=names)
             by_regime = coverage_table(sub, "regime", level=level, radius_frame=rf, names=names)
             by_ess = coverage_table(sub, "ess_bin", level=level, radius_frame=rf, names=names)
-            by_ess = by_ess[by_ess["n"] >= 100]
+            by_ess = by_ess[by_ess["n"] >= 100] if (by_ess["n"] >= 100).any() else by_ess
             trusted = certificate_trusted(sub)
             tr_tab = coverage_table(sub[trusted], None, level=level, radius_frame=rf[trusted], names=names)
             for n in names:
-                worst_reg = by_regime.loc[by_regime[f"coverage_{n}"].idxmin()]
-                worst_ess = by_ess.loc[by_ess[f"coverage_{n}"].idxmin()]
+                worst_reg = by_regime.loc[by_regime[f"coverage_{n}"].fillna(np.inf).idxmin()]
+                worst_ess = by_ess.loc[by_ess[f"coverage_{n}"].fillna(np.inf).idxmin()]
                 rows.append({
                     "floor": floor, "radius": n + tag, "coverage_pooled": pooled[f"coverage_{n}"].iloc[0],
                     "worst_regime": worst_reg["regime"], "coverage_worst_regime": worst_reg[f"coverage_{n}"],
