@@ -14,6 +14,7 @@ from kvcert.core.certificate import (
     diagonal_term,
     effective_dimension,
     make_sketch,
+    sketch_tail,
     sketch_values,
     sketched_trace_c2,
     tail_diagnostics,
@@ -196,3 +197,23 @@ def test_make_sketch_and_errors():
         make_sketch(64, 0, generator=g)
     with pytest.raises(ValueError):
         chi2_quantile(1.0, torch.ones(1))
+
+
+def test_sketched_estimator_equals_the_direct_sketch_formula():
+    """The GEMM form (P - oR u^T - u oR^T + sum(a) oR oR^T) equals S^T diag(a) S with S = VR - oR, for a fixed R."""
+    res, vv, omp, sel = _one_draw(seed=4)
+    w, o, s = res.weights, res.output, sel.tail_slots
+    r = make_sketch(16, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    tail = sketch_tail(vv[:, :s], r)
+    sq = (vv[0, :s] - o[0, 0]) @ r  # (s, k)
+    a = omp[0, :s] * w[0, 0, :s] ** 2
+    c_s = (sq * a[:, None]).T @ sq
+    k, v = 6, res.variance[0, 0]
+    t2 = c_s.square().sum()
+    direct = ((t2 - k * v**2) / (k * (k + 1))).clamp(v**2 / 16, v**2)
+    got = sketched_trace_c2(w, omp, tail, o, r, res.variance, method="moment", debias=False)[0, 0]
+    assert torch.isclose(got, direct, rtol=1e-9)
+    d_sketch = (omp[0, :s] * a**2 * sq.square().sum(-1).square()).sum() / (k * (k + 2))
+    got_d = sketched_trace_c2(w, omp, tail, o, r, res.variance, method="moment", debias="sketch")[0, 0]
+    assert torch.isclose(got_d, (direct_unclamped := (t2 - k * v**2) / (k * (k + 1)) - d_sketch).clamp(
+        v**2 / 16, v**2), rtol=1e-9), direct_unclamped

@@ -8,11 +8,13 @@ perturb    -> the non-identifiability construction
 """
 
 from kvcert.core.certificate import (
+    SketchedTail,
     certificate_stats,
     chi2_quantile,
     conservative_radius,
     effective_dimension,
     make_sketch,
+    sketch_tail,
     sketch_values,
     sketched_trace_c2,
     tail_diagnostics,
@@ -38,6 +40,7 @@ __all__ = [
     "DESIGNS",
     "HajekResult",
     "Selection",
+    "SketchedTail",
     "certificate_radius",
     "certificate_stats",
     "chi2_quantile",
@@ -56,6 +59,7 @@ __all__ = [
     "perturb_values",
     "poisson_sample",
     "random_scores",
+    "sketch_tail",
     "sketch_values",
     "sketched_trace_c2",
     "split_head_tail",

@@ -48,6 +48,7 @@ float64, agreeing with scipy.stats.chi2.ppf to ~1e-10 relative; tested); `tight_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from statistics import NormalDist
 
 import torch
@@ -126,14 +127,29 @@ def make_sketch(d: int, k: int = 8, *, generator: torch.Generator, dtype=torch.f
 
 
 def sketch_values(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
-    """(a) once per compression: V_tail @ R, (..., T, d) -> (..., T, k)."""
+    """V_tail @ R, (..., T, d) -> (..., T, k)."""
     return values_tail @ sketch.to(values_tail.dtype)
+
+
+@dataclass(frozen=True)
+class SketchedTail:
+    """(a) once per compression, per (variant, layer, KV head): what the per-step estimator reads."""
+
+    vr: torch.Tensor  # (..., s, k)   V_tail R
+    outer: torch.Tensor  # (..., s, k*k) vec(VR_i VR_i^T): P = a @ outer is one GEMM shared by the query group
+    sq: torch.Tensor  # (..., s)      ||VR_i||^2
+
+
+def sketch_tail(values_tail: torch.Tensor, sketch: torch.Tensor) -> SketchedTail:
+    """(a) once per compression: V_tail R, its per-token outer products and squared norms. Memory s (k^2 + k + 1)
+    floats per (variant, layer, KV head): 73 per tail token at k = 8 (the values themselves are d = 64)."""
+    return sketch_tail_from_vr(sketch_values(values_tail, sketch))
 
 
 def sketched_trace_c2(
     weights: torch.Tensor,
     one_minus_pi: torch.Tensor,
-    values_sketch: torch.Tensor,
+    values_sketch: torch.Tensor | SketchedTail,
     output: torch.Tensor,
     sketch: torch.Tensor,
     trace_c: torch.Tensor,
@@ -143,9 +159,12 @@ def sketched_trace_c2(
     values_tail: torch.Tensor | None = None,
     value_sq_norms: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(b) per step: estimate of tr(C_hat^2) (..., T) from the sketched values (..., s, k) precomputed in (a).
+    """(b) per step: estimate of tr(C_hat^2) (..., T) from the SketchedTail (or just V_tail R (..., s, k)) of (a).
 
-    weights (..., T, m) with the tail in the first s = values_sketch.shape[-2] slots; one_minus_pi (..., >= s);
+    C_S = sum a_i (VR_i - oR)(VR_i - oR)^T = P - oR u^T - u oR^T + (sum a) oR oR^T with P = a @ outer and
+    u = a @ VR: two GEMMs over the tail shared by the queries of a KV head (2 T s (k^2 + k) flops for T queries),
+    no (T, s, k) temporary.
+    weights (..., T, m) with the tail in the first s slots; one_minus_pi (..., >= s);
     output o_hat (..., T, d); trace_c = V_hat (..., T) from hajek_attention. Returns a value in
     [tr(C)^2 / d, tr(C)^2] (h in [1, d]). debias subtracts the diagonal_term D: "sketch" (default) from
     sum (1 - pi) a^2 ||S_i||^4 / (k (k + 2))  (E||S_i||^4 = k(k+2) ||v_i - o_hat||^4; no extra matvec, and it
@@ -156,11 +175,14 @@ def sketched_trace_c2(
     value_sq_norms as cached by the KV state).
     """
     d, k = sketch.shape
-    s = values_sketch.shape[-2]
+    tail = values_sketch if isinstance(values_sketch, SketchedTail) else sketch_tail_from_vr(values_sketch)
+    s = tail.vr.shape[-2]
     a = _tail_weights(weights, one_minus_pi, s)  # (..., T, s)
     o_r = output @ sketch.to(output.dtype)  # (..., T, k)
-    centred = values_sketch.unsqueeze(-3) - o_r.unsqueeze(-2)  # (..., T, s, k)
-    c_s = (centred * a.unsqueeze(-1)).transpose(-1, -2) @ centred  # (..., T, k, k) = R^T C R
+    p = (a @ tail.outer).unflatten(-1, (k, k))  # (..., T, k, k)
+    u = a @ tail.vr  # (..., T, k)
+    cross = o_r.unsqueeze(-1) * u.unsqueeze(-2)
+    c_s = p - cross - cross.transpose(-1, -2) + a.sum(-1)[..., None, None] * (o_r.unsqueeze(-1) * o_r.unsqueeze(-2))
     t2 = c_s.square().sum((-1, -2))
     tc2_max = trace_c.square()
     if method == "moment":
@@ -174,8 +196,9 @@ def sketched_trace_c2(
         raise ValueError(f"method must be 'ratio' or 'moment', got {method!r}")
     if debias:
         omp = one_minus_pi[..., :s].unsqueeze(-2).to(a.dtype)
-        if debias == "sketch":
-            x4 = centred.square().sum(-1).square() / (k * (k + 2))  # (..., T, s)
+        if debias == "sketch":  # ||S_i||^2 = ||VR_i||^2 - 2 VR_i . oR + ||oR||^2
+            s2 = tail.sq.unsqueeze(-2) - 2 * (o_r @ tail.vr.transpose(-1, -2)) + o_r.square().sum(-1, keepdim=True)
+            x4 = s2.clamp_min(0).square() / (k * (k + 2))  # (..., T, s)
         elif debias in (True, "exact"):
             if values_tail is None:
                 raise ValueError("debias='exact' needs values_tail (..., s, d) (and optionally value_sq_norms)")
@@ -187,6 +210,11 @@ def sketched_trace_c2(
             raise ValueError(f"debias must be 'exact', 'sketch' or False, got {debias!r}")
         est = est - (omp * a.square() * x4).sum(-1)
     return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)
+
+
+def sketch_tail_from_vr(vr: torch.Tensor) -> SketchedTail:
+    outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)
+    return SketchedTail(vr, outer, vr.square().sum(-1))
 
 
 # ---------------------------------------------------------------------------------------------- quantile, radius
@@ -280,7 +308,7 @@ def certificate_stats(
     out = tail_diagnostics(weights, one_minus_pi, tail_slots=tail_slots, prefix=prefix)
     if sketch is not None:
         if values_sketch is None:
-            values_sketch = sketch_values(values[..., :tail_slots, :], sketch)
+            values_sketch = sketch_tail(values[..., :tail_slots, :], sketch)
         tc2 = sketched_trace_c2(weights, one_minus_pi, values_sketch, output, sketch, variance)
     else:
         tc2 = trace_c2_exact(weights, values, output, one_minus_pi, tail_slots=tail_slots)

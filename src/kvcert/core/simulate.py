@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.core.certificate import make_sketch, sketch_values, sketched_trace_c2, tail_diagnostics, trace_c2_exact
+from kvcert.core.certificate import make_sketch, sketch_tail, sketched_trace_c2, tail_diagnostics, trace_c2_exact
 from kvcert.core.designs import get_design
 from kvcert.core.hajek import certificate_radius, exact_attention, gather_tokens, hajek_attention
 
@@ -110,7 +110,7 @@ def monte_carlo(
             out["p_max"] = w.amax(-1)[:, 0]
             if sketch_k:
                 r = make_sketch(v.shape[-1], sketch_k, generator=generator, dtype=v.dtype)
-                vs = sketch_values(vv[:, :s], r)
+                vs = sketch_tail(vv[:, :s], r)
                 out["trace_c2_sketch"] = sketched_trace_c2(w, omp, vs, o, r, res.variance)[:, 0]
     return out
 
