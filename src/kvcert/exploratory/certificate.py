@@ -186,7 +186,8 @@ def split_conformal(
                 pick = rng.integers(0, len(uniq), len(uniq))
                 idx = np.concatenate([order[bounds[i] : bounds[i + 1]] for i in pick])
                 boots.append(conformal_quantile(s_fit[idx], level))
-            lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (np.nan, np.nan))
+            with np.errstate(invalid="ignore"):  # infinite multipliers (strata smaller than 1 / (1 - level))
+                lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (np.nan, np.nan))
             with np.errstate(divide="ignore", invalid="ignore"):
                 tight = np.nanmedian(np.where(err[tm] > 0, m * r[tm] / err[tm], np.nan))
             rows.append({
@@ -259,11 +260,13 @@ def nominal_level_of_multiplier(m: float, level: float = 0.95) -> float:
 
 
 def certificate_trusted(steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2,
-                        ess_ratio_min: float = 0.0) -> pd.Series:
+                        ess_ratio_min: float = 0.3) -> pd.Series:
     """Regime flag from recorded per-cell statistics: the certificate is reported as trusted only where the tail
     has at least ess_min effective samples AND carries at least tail_mass_min of the attention AND (when
     ess_ratio_min > 0) ess_tail / n_tail >= ess_ratio_min (thresholds from the Monte Carlo in
-    kvcert.exploratory.certificate_mc; a missing column is not checked)."""
+    kvcert.exploratory.certificate_mc, where ess_tail / n_tail >= 0.3 isolates the cells whose V_hat is unbiased:
+    the tail's Hajek weights w_i / pi_i are nearly equal, i.e. the scorer's pi tracks the decode query's attention;
+    a missing column is not checked)."""
     ok = pd.Series(True, index=steps.index)
     if ess_ratio_min > 0 and "ess_tail" in steps and "n_tail" in steps:
         ok &= (ess_ratio(steps) >= ess_ratio_min).fillna(False)

@@ -207,7 +207,8 @@ lock) and floor 0.5 (design remedy). One cell = one design draw. Level 0.95 thro
 Radii: conservative = 1.96 sqrt(V_hat); tight = Satterthwaite sqrt(V_hat chi2_0.95(h) / h) with the debiased
 tr(C^2) (exact; "sketch k=8" = the cheap estimator); *_ess = studentized by the tail's Kish ESS (t or F quantile,
 nu = ESS - 1); conformal_* = split-conformal multiplier fitted on a random half of the problems, coverage on the
-other half (multiplier = mean of the two fits). Trusted = `certificate_trusted` (ESS >= 10 and tail mass >= 0.01).
+other half (multiplier = mean of the two fits).
+Trusted = `certificate_trusted` (ESS >= 10, tail mass >= 0.01, ESS / n_tail >= 0.3).
 
 ## Regimes (floor 0.2)
 
