@@ -114,7 +114,7 @@ def coverage_table(
             df[f"tight_{n}"] = np.where(ok, r / err, np.nan)
     keys = ["_g"] if by is None else ([by] if isinstance(by, str) else list(by))
     for k in keys:
-        df[k] = 0 if by is None else steps[k].to_numpy()
+        df[k] = 0 if by is None else steps[k].values  # .values keeps a Categorical's order
     agg = {"n": (f"cov_{names[0]}", "count")}
     for n in names:
         agg[f"coverage_{n}"] = (f"cov_{n}", "mean")
