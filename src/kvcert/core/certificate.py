@@ -133,17 +133,33 @@ def sketch_values(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tens
 
 @dataclass(frozen=True)
 class SketchedTail:
-    """(a) once per compression, per (variant, layer, KV head): what the per-step estimator reads."""
+    """(a) once per compression, per (variant, layer, KV head): what the per-step estimator reads.
+
+    features = [vec_triu(VR_i VR_i^T) | VR_i | ||VR_i||^2 VR_i | ||VR_i||^2 | ||VR_i||^4 | 1] per tail token, so that
+    every tail sum the step needs (C_S and the sketched diagonal term) is ONE GEMM [a; b] @ features shared by the
+    query group of a KV head."""
 
     vr: torch.Tensor  # (..., s, k)   V_tail R
-    outer: torch.Tensor  # (..., s, k*k) vec(VR_i VR_i^T): P = a @ outer is one GEMM shared by the query group
-    sq: torch.Tensor  # (..., s)      ||VR_i||^2
+    features: torch.Tensor  # (..., s, k(k+1)/2 + 2k + 3)
+
+    @property
+    def k(self) -> int:
+        return self.vr.shape[-1]
 
 
 def sketch_tail(values_tail: torch.Tensor, sketch: torch.Tensor) -> SketchedTail:
-    """(a) once per compression: V_tail R, its per-token outer products and squared norms. Memory s (k^2 + k + 1)
-    floats per (variant, layer, KV head): 73 per tail token at k = 8 (the values themselves are d = 64)."""
+    """(a) once per compression: V_tail R and its per-token features. Memory s (k(k+1)/2 + 3k + 3) floats per
+    (variant, layer, KV head): 63 per tail token at k = 8 (the values themselves are d = 64)."""
     return sketch_tail_from_vr(sketch_values(values_tail, sketch))
+
+
+def sketch_tail_from_vr(vr: torch.Tensor) -> SketchedTail:
+    k = vr.shape[-1]
+    iu = torch.triu_indices(k, k, device=vr.device)
+    outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2))[..., iu[0], iu[1]]
+    sq = vr.square().sum(-1, keepdim=True)
+    feats = torch.cat([outer, vr, sq * vr, sq, sq.square(), torch.ones_like(sq)], -1)
+    return SketchedTail(vr, feats)
 
 
 def sketched_trace_c2(
@@ -161,9 +177,10 @@ def sketched_trace_c2(
 ) -> torch.Tensor:
     """(b) per step: estimate of tr(C_hat^2) (..., T) from the SketchedTail (or just V_tail R (..., s, k)) of (a).
 
-    C_S = sum a_i (VR_i - oR)(VR_i - oR)^T = P - oR u^T - u oR^T + (sum a) oR oR^T with P = a @ outer and
-    u = a @ VR: two GEMMs over the tail shared by the queries of a KV head (2 T s (k^2 + k) flops for T queries),
-    no (T, s, k) temporary.
+    C_S = sum a_i (VR_i - oR)(VR_i - oR)^T = P - oR u^T - u oR^T + (sum a) oR oR^T with P = sum a VR_i VR_i^T and
+    u = sum a VR_i, and the sketched diagonal term expanded likewise: all tail sums come from one GEMM
+    [a; b] @ features (b = (1 - pi) a^2), 4 T s F flops for T queries, F = k(k+1)/2 + 3k + 3 = 63 at k = 8; no
+    (T, s, k) temporary.
     weights (..., T, m) with the tail in the first s slots; one_minus_pi (..., >= s);
     output o_hat (..., T, d); trace_c = V_hat (..., T) from hajek_attention. Returns a value in
     [tr(C)^2 / d, tr(C)^2] (h in [1, d]). debias subtracts the diagonal_term D: "sketch" (default) from
@@ -177,44 +194,50 @@ def sketched_trace_c2(
     d, k = sketch.shape
     tail = values_sketch if isinstance(values_sketch, SketchedTail) else sketch_tail_from_vr(values_sketch)
     s = tail.vr.shape[-2]
-    a = _tail_weights(weights, one_minus_pi, s)  # (..., T, s)
-    o_r = output @ sketch.to(output.dtype)  # (..., T, k)
-    p = (a @ tail.outer).unflatten(-1, (k, k))  # (..., T, k, k)
-    u = a @ tail.vr  # (..., T, k)
-    cross = o_r.unsqueeze(-1) * u.unsqueeze(-2)
-    c_s = p - cross - cross.transpose(-1, -2) + a.sum(-1)[..., None, None] * (o_r.unsqueeze(-1) * o_r.unsqueeze(-2))
-    t2 = c_s.square().sum((-1, -2))
+    n_t = k * (k + 1) // 2
+    iu = torch.triu_indices(k, k, device=output.device)
+    w = torch.where(iu[0] == iu[1], 1.0, 2.0).to(output.dtype)  # multiplicity of each triu entry in a sum over (j, l)
+    omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)
+    a = omp * weights[..., :s].square()  # (..., T, s)
+    sketch_diag = debias == "sketch"
+    n_q = a.shape[-2]
+    lhs = torch.cat([a, omp * a.square()], -2) if sketch_diag else a  # (..., 2T or T, s)
+    sums = lhs @ tail.features  # (..., 2T or T, F): every tail sum in one GEMM
+    sa = sums[..., :n_q, :]
+    y = output @ sketch.to(output.dtype)  # (..., T, k)  o_hat R
+    yy = (y.unsqueeze(-1) * y.unsqueeze(-2))[..., iu[0], iu[1]]  # (..., T, n_t)
+    u = sa[..., n_t : n_t + k]  # sum a VR_i
+    uy = (u.unsqueeze(-1) * y.unsqueeze(-2))[..., iu[0], iu[1]] + (y.unsqueeze(-1) * u.unsqueeze(-2))[..., iu[0], iu[1]]
+    c_s = sa[..., :n_t] - uy + sa[..., -1:] * yy  # triu of C_S = R^T C_hat R
+    t2 = (w * c_s.square()).sum(-1)
     tc2_max = trace_c.square()
     if method == "moment":
         est = (t2 - k * tc2_max) / (k * (k + 1))
     elif method == "ratio":
-        t1 = c_s.diagonal(dim1=-2, dim2=-1).sum(-1)
+        t1 = c_s[..., iu[0] == iu[1]].sum(-1)
         psi = t2 / t1.square().clamp_min(torch.finfo(t1.dtype).tiny)
         x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
         est = x * tc2_max
     else:
         raise ValueError(f"method must be 'ratio' or 'moment', got {method!r}")
-    if debias:
-        omp = one_minus_pi[..., :s].unsqueeze(-2).to(a.dtype)
-        if debias == "sketch":  # ||S_i||^2 = ||VR_i||^2 - 2 VR_i . oR + ||oR||^2
-            s2 = tail.sq.unsqueeze(-2) - 2 * (o_r @ tail.vr.transpose(-1, -2)) + o_r.square().sum(-1, keepdim=True)
-            x4 = s2.clamp_min(0).square() / (k * (k + 2))  # (..., T, s)
-        elif debias in (True, "exact"):
-            if values_tail is None:
-                raise ValueError("debias='exact' needs values_tail (..., s, d) (and optionally value_sq_norms)")
-            vt = values_tail[..., :s, :].to(output.dtype)
-            vsq = vt.square().sum(-1) if value_sq_norms is None else value_sq_norms[..., :s].to(output.dtype)
-            x2 = vsq.unsqueeze(-2) - 2 * (output @ vt.transpose(-1, -2)) + output.square().sum(-1, keepdim=True)
-            x4 = x2.clamp_min(0).square()
-        else:
-            raise ValueError(f"debias must be 'exact', 'sketch' or False, got {debias!r}")
-        est = est - (omp * a.square() * x4).sum(-1)
+    if sketch_diag:  # sum b ||S_i||^4, ||S_i||^2 = sq_i - 2 VR_i.y + ||y||^2, expanded over the GEMM's sums
+        sb = sums[..., n_q:, :]
+        y2 = y.square().sum(-1)
+        b_outer, b_vr = sb[..., :n_t], sb[..., n_t : n_t + k]
+        b_sqvr, b_sq, b_sq2, b_1 = sb[..., n_t + k : n_t + 2 * k], sb[..., -3], sb[..., -2], sb[..., -1]
+        d4 = (b_sq2 + 4 * (w * yy * b_outer).sum(-1) + y2.square() * b_1 - 4 * (y * b_sqvr).sum(-1)
+              + 2 * y2 * b_sq - 4 * y2 * (y * b_vr).sum(-1))
+        est = est - d4.clamp_min(0) / (k * (k + 2))
+    elif debias in (True, "exact"):
+        if values_tail is None:
+            raise ValueError("debias='exact' needs values_tail (..., s, d) (and optionally value_sq_norms)")
+        vt = values_tail[..., :s, :].to(output.dtype)
+        vsq = vt.square().sum(-1) if value_sq_norms is None else value_sq_norms[..., :s].to(output.dtype)
+        x2 = vsq.unsqueeze(-2) - 2 * (output @ vt.transpose(-1, -2)) + output.square().sum(-1, keepdim=True)
+        est = est - (omp * a.square() * x2.clamp_min(0).square()).sum(-1)
+    elif debias:
+        raise ValueError(f"debias must be 'sketch', 'exact' or False, got {debias!r}")
     return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)
-
-
-def sketch_tail_from_vr(vr: torch.Tensor) -> SketchedTail:
-    outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)
-    return SketchedTail(vr, outer, vr.square().sum(-1))
 
 
 # ---------------------------------------------------------------------------------------------- quantile, radius
