@@ -93,6 +93,20 @@ def tables(cells: pd.DataFrame, level: float = 0.95) -> dict[str, pd.DataFrame]:
     return out
 
 
+def proxy_grid(cells: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
+    """Coverage inside / outside a trusted set defined by the old columns only (tail_mass, p_max)."""
+    r = radii(cells, level)["r_conservative"].to_numpy()
+    cov = cells["error"].to_numpy() <= r
+    rows = []
+    for tm in (0.0, 1e-3, 1e-2, 0.1):
+        for pm in (1.01, 0.6, 0.3):
+            ok = ((cells["tail_mass"] >= tm) & (cells["p_max"] < pm)).to_numpy()
+            rows.append({"tail_mass_min": tm, "p_max_below": pm, "share": ok.mean(),
+                         "coverage_in": cov[ok].mean() if ok.any() else np.nan,
+                         "coverage_out": cov[~ok].mean() if (~ok).any() else np.nan})
+    return pd.DataFrame(rows)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir")
@@ -172,6 +186,10 @@ Per tail-mass bin:
 {_md(tm)}
 
 Strata where the plain radius reaches 0.97: {reach}
+
+## A trusted set from the old columns only (conservative radius)
+
+{_md(proxy_grid(c1))}
 
 ## Coverage by tail mass (sum of p over the tail)
 
