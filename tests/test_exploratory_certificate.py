@@ -134,3 +134,17 @@ def test_certificate_mc_smoke():
     assert summary["coverage_pooled"].between(0, 1).all()
     cost = accuracy_cost(cells)
     assert (cost.loc[cost["floor"] == 0.2, "rmse_ratio_to_floor0.2"] == 1).all()
+
+
+def test_record_time_radius_equals_the_torch_one():
+    import torch
+
+    from kvcert.core.certificate import tight_radius
+
+    rng = np.random.default_rng(3)
+    v = rng.uniform(0.01, 2, 50)
+    h = rng.uniform(1, 64, 50)
+    df = pd.DataFrame({"error": 1.0, "variance": v, "trace_c2": v**2 / h})
+    for level in (0.5, 0.9, 0.95, 0.99):
+        ref = tight_radius(torch.tensor(v), torch.tensor(v**2 / h), level).numpy()
+        assert np.allclose(radii(df, level)["r_tight"], ref, rtol=1e-8)
