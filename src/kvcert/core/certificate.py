@@ -139,8 +139,8 @@ class SketchedTail:
     every tail sum the step needs (C_S and the sketched diagonal term) is ONE GEMM [a; b] @ features shared by the
     query group of a KV head."""
 
-    vr: torch.Tensor  # (..., s, k)   V_tail R
-    features: torch.Tensor  # (..., s, k(k+1)/2 + 2k + 3)
+    vr: torch.Tensor  # (..., s, k)   V_tail R (a view into features)
+    features: torch.Tensor  # (..., s, k(k+1)/2 + 3k + 3)
 
     @property
     def k(self) -> int:
@@ -148,8 +148,8 @@ class SketchedTail:
 
 
 def sketch_tail(values_tail: torch.Tensor, sketch: torch.Tensor) -> SketchedTail:
-    """(a) once per compression: V_tail R and its per-token features. Memory s (k(k+1)/2 + 3k + 3) floats per
-    (variant, layer, KV head): 63 per tail token at k = 8 (the values themselves are d = 64)."""
+    """(a) once per compression: V_tail R and its per-token features, 2 s d k + ~4 s F flops. Memory s F floats
+    per (variant, layer, KV head), F = k(k+1)/2 + 3k + 3 = 63 at k = 8 (the values themselves are d = 64)."""
     return sketch_tail_from_vr(sketch_values(values_tail, sketch))
 
 
@@ -159,7 +159,8 @@ def sketch_tail_from_vr(vr: torch.Tensor) -> SketchedTail:
     outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2))[..., iu[0], iu[1]]
     sq = vr.square().sum(-1, keepdim=True)
     feats = torch.cat([outer, vr, sq * vr, sq, sq.square(), torch.ones_like(sq)], -1)
-    return SketchedTail(vr, feats)
+    n_t = outer.shape[-1]
+    return SketchedTail(feats[..., n_t : n_t + k], feats)  # vr is a view: 63 floats per tail token at k = 8
 
 
 def sketched_trace_c2(
