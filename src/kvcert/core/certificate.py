@@ -16,8 +16,10 @@ z * sqrt(V_hat); h = d (isotropic) gives the radius of a d-dimensional Gaussian 
 Cost. tr(C^2) exactly needs a d x d matrix (2 T d^2 flops) or a T x T Gram (2 T^2 d) per query head and step, too
 much for the decode hot path. The cheap estimator sketches the value space with a fixed Gaussian R (d x k):
 
-    (a) once per compression (values are fixed then):  VR = V_tail @ R          (..., T, k)
-    (b) per step and query head:  S = VR - o_hat R;  C_S = S^T diag(a) S = R^T C R   (k x k),  a = (1 - pi) p^2
+    (a) once per compression (values are fixed then):  sketch_tail(V_tail, R) -> VR = V_tail R and per-token
+        features (triu of VR_i VR_i^T, VR_i, ||VR_i||^2 VR_i, ||VR_i||^2, ||VR_i||^4, 1)
+    (b) per step and query head:  C_S = sum a_i (VR_i - o_hat R)(VR_i - o_hat R)^T = R^T C_hat R  (k x k),
+        a = (1 - pi) p^2, from one GEMM [a; (1 - pi) a^2] @ features (`sketched_trace_c2`)
 
 and for R with iid N(0, 1) entries (C = U diag(l) U^T, R^T C R = sum_j l_j g_j g_j^T with g_j iid N(0, I_k)):
 
@@ -32,9 +34,12 @@ Two estimators of tr(C^2) follow (`sketched_trace_c2`):
   E[tr(C_S)^2] = k^2 tr(C)^2 + 2k tr(C^2)); solved x = (k psi - 1) / (k + 1 - 2 psi), clamped to [1/d, 1],
   tr(C^2) = x tr(C)^2. Biased (a ratio) but with much smaller spread; measured in tests against the exact value.
 
-Per-step cost of (b) per query head: k d (o_hat R) + T k (S) + T k (a S) + 2 T k^2 (S^T a S) + k^2 flops,
-e.g. T = 400, k = 8: ~55k flops against ~4 m d = 256 m for the attention itself (m kept tokens); memory for (a):
-T k floats per (variant, layer, KV head), k/d of the tail values (12.5% at k = 8, d = 64).
+Per-step cost of (b) per query head (T tail tokens, m kept, F = k(k+1)/2 + 3k + 3 = 63 at k = 8): ~4 T F + 2 d k
+flops (~100k at T = 400) against ~4 m d for the attention (~136k at m = 530) and ~2 T d for V_hat; memory of (a):
+T F floats per (variant, layer, KV head). Measured on one CPU thread (24 variants x 3 KV heads x 3 query heads,
+T = 400, m = 530): attention 2.8-4.4 ms per layer, V_hat +0.8-1.4, sketch +1.8-3.0, tail_diagnostics +0.2-0.5:
+every step that is roughly +20-35% over attention + dense layers, so compute trace_c2 on a stride of decode steps
+(e.g. every 4th) or accept k = 4 (F = 25) if the 1.15x budget is binding.
 
 Debiasing. tr(C_hat^2) over-estimates tr(C^2) by the i = j terms (E[tr(C_hat^2)] = tr(C^2) + E[D],
 D = sum_tail (1 - pi) a^2 ||v - o_hat||^4); without removing D the effective dimension is too small and the
