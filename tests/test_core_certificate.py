@@ -217,3 +217,34 @@ def test_sketched_estimator_equals_the_direct_sketch_formula():
     got_d = sketched_trace_c2(w, omp, tail, o, r, res.variance, method="moment", debias="sketch")[0, 0]
     assert torch.isclose(got_d, (direct_unclamped := (t2 - k * v**2) / (k * (k + 1)) - d_sketch).clamp(
         v**2 / 16, v**2), rtol=1e-9), direct_unclamped
+
+
+def test_kvstate_layout_batches_like_single_rows():
+    """The hot-path layout: weights (B, Hkv, G, L), one_minus_pi (B, Hkv, s), output (B, Hkv, G, d), variance
+    (B, Hkv, G); a SketchedTail per (B, Hkv). Batched results equal row-by-row ones."""
+    g = torch.Generator().manual_seed(9)
+    b, hkv, grp, s, length, d = 2, 3, 2, 7, 12, 16
+    w = torch.rand(b, hkv, grp, length, generator=g, dtype=torch.float64)
+    w = w / w.sum(-1, keepdim=True)
+    omp = torch.rand(b, hkv, s, generator=g, dtype=torch.float64)
+    omp[0, 1, -2:] = 0  # a row with fewer tail tokens (head tokens in its last tail slots)
+    vals = torch.randn(b, hkv, length, d, generator=g, dtype=torch.float64)
+    out = w @ vals
+    var = trace_c(w, vals, out, omp, tail_slots=s)
+    r = make_sketch(d, 8, generator=g, dtype=torch.float64)
+    tail = sketch_tail(vals[:, :, :s], r)
+    est = sketched_trace_c2(w, omp, tail, out, r, var)
+    diag = tail_diagnostics(w, omp, tail_slots=s, prefix=10)
+    exact = trace_c2_exact(w, vals, out, omp, tail_slots=s)
+    assert est.shape == exact.shape == var.shape == (b, hkv, grp)
+    for i in range(b):
+        for j in range(hkv):
+            one = sketch_tail(vals[i, j, :s], r)
+            e1 = sketched_trace_c2(w[i, j], omp[i, j], one, out[i, j], r, var[i, j])
+            assert torch.allclose(e1, est[i, j], rtol=1e-10)
+            x1 = trace_c2_exact(w[i, j], vals[i, j], out[i, j], omp[i, j], tail_slots=s)
+            assert torch.allclose(x1, exact[i, j], rtol=1e-10)
+            d1 = tail_diagnostics(w[i, j], omp[i, j], tail_slots=s, prefix=10)
+            for key in d1:
+                assert torch.allclose(d1[key], diag[key][i, j]), key
+    assert float(diag["n_tail"][0, 1, 0]) == s - 2
