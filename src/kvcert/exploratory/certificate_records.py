@@ -154,6 +154,9 @@ def main(argv=None) -> None:
                                         hi=("multiplier_hi", "max"),
                                         heldout_coverage=("heldout_coverage", "mean")).reset_index()
     pooled = t_c1["pooled"].iloc[0]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zs = c1["error"].to_numpy(np.float64) / np.sqrt(c1["variance"].to_numpy(np.float64))
+    zq = np.nanquantile(np.where(np.isfinite(zs), zs, np.inf), [0.5, 0.75, 0.9, 0.95, 0.97, 0.99])
     text = f"""# EXPLORATORY: where the study-1 certificate covers (real records)
 
 Not pre-registered; an input to the design of a future study. Data source: `{args.run_dir}` ({how}), raw
@@ -170,6 +173,9 @@ coverage of 1.96 sqrt(V_hat): {pooled['coverage_conservative']:.4f}; isotropic-b
 {pooled['coverage_tight']:.4f}; median radius / error {pooled['median_r_over_err_conservative']:.2f}.
 Multiplier on 1.96 sqrt(V_hat) for empirical coverage 0.95: {m95:.3f}; for the paper's 0.97: {m97:.3f}
 (equivalent to a nominal Gaussian level of 1 - {1 - nominal_level_of_multiplier(m97):.1e}).
+Quantiles of error / sqrt(V_hat) at 0.5 / 0.75 / 0.9 / 0.95 / 0.97 / 0.99: {' / '.join(f'{q:.2f}' for q in zq)}
+(a 64-dimensional Gaussian error with E||e||^2 = V_hat would give 0.99 / 1.05 / 1.11 / 1.14 / 1.17 / 1.21;
+a rank-one one 0.67 / 1.15 / 1.64 / 1.96 / 2.17 / 2.58).
 
 Split-conformal (random halves of the examples, fit on one, check on the other; 95% bootstrap interval over
 examples of the fitting half):
