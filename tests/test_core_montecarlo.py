@@ -47,3 +47,21 @@ def test_print_hard_regimes(capsys):
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert len(rows) == 4
+
+
+def test_failure_regimes_reproduce_the_study1_pattern():
+    """FAILURE_REGIMES: coverage falls where the tail's mass / effective sample size is small (SPEC section 9)."""
+    from kvcert.core.simulate import FAILURE_REGIMES
+
+    out = {}
+    for name, kw in FAILURE_REGIMES.items():
+        g = torch.Generator().manual_seed(1025)
+        p = random_problem(n=1000, d=64, generator=g, **kw)
+        r = monte_carlo(p, budget=0.25, tail_fraction=0.75, floor=0.2, draws=300, generator=g, moments=True)
+        out[name] = dict(cov=r["coverage"], ratio=r["vhat_over_mse"], tail=float(r["tail_mass"].median()),
+                         ess=float(r["ess_tail"].median()), design_effect=float((r["ess_tail"] / r["n_tail"]).median()))
+    well, mis, peak, both = (out[k] for k in FAILURE_REGIMES)
+    assert abs(well["ratio"] - 1) < 0.1 and well["cov"] > 0.99 and well["design_effect"] > 0.3
+    assert mis["ratio"] < 0.9 and mis["design_effect"] < 0.3
+    assert peak["tail"] < 2e-3 and peak["ess"] < 10 and peak["cov"] < 0.93
+    assert both["ratio"] < 0.5 and both["ess"] < 5 and both["cov"] < 0.8

@@ -3,9 +3,24 @@
 designs    -> which tokens a budget keeps, with their inclusion probabilities (Selection)
 scorers    -> importance scores per (layer, KV head, token)
 hajek      -> offset attention, the certificate variance and radius, the exact attention and error
+certificate -> tr(C^2) (exact and sketched), the tight (Satterthwaite) radius, per-cell tail diagnostics
 perturb    -> the non-identifiability construction
 """
 
+from kvcert.core.certificate import (
+    SketchedTail,
+    certificate_stats,
+    chi2_quantile,
+    conservative_radius,
+    effective_dimension,
+    make_sketch,
+    sketch_tail,
+    sketch_values,
+    sketched_trace_c2,
+    tail_diagnostics,
+    tight_radius,
+    trace_c2_exact,
+)
 from kvcert.core.designs import DESIGNS, get_design
 from kvcert.core.hajek import (
     HajekResult,
@@ -25,7 +40,12 @@ __all__ = [
     "DESIGNS",
     "HajekResult",
     "Selection",
+    "SketchedTail",
     "certificate_radius",
+    "certificate_stats",
+    "chi2_quantile",
+    "conservative_radius",
+    "effective_dimension",
     "error_norm",
     "evicted_mask",
     "exact_attention",
@@ -34,12 +54,19 @@ __all__ = [
     "hajek_attention",
     "inclusion_probabilities",
     "keep_count",
+    "make_sketch",
     "key_norm_scores",
     "perturb_values",
     "poisson_sample",
     "random_scores",
+    "sketch_tail",
+    "sketch_values",
+    "sketched_trace_c2",
     "split_head_tail",
     "streaming_scores",
+    "tail_diagnostics",
+    "tight_radius",
+    "trace_c2_exact",
     "window_scores",
     "z_value",
 ]

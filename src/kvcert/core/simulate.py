@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.core.certificate import make_sketch, sketch_tail, sketched_trace_c2, tail_diagnostics, trace_c2_exact
 from kvcert.core.designs import get_design
 from kvcert.core.hajek import certificate_radius, exact_attention, gather_tokens, hajek_attention
 
@@ -58,10 +59,15 @@ def monte_carlo(
     level: float = 0.95,
     generator: torch.Generator,
     values: torch.Tensor | None = None,
+    moments: bool = False,
+    sketch_k: int = 0,
 ) -> dict[str, float | torch.Tensor]:
     """Draw the design `draws` times on one problem; return coverage, E[V_hat]/MSE, bias and the raw draws.
 
     values overrides problem.values (the T1 perturbation changes values, never the scores or the draw).
+    moments: also return per draw the exact tr(C_hat^2) ("trace_c2") and the per-cell diagnostics of
+    kvcert.core.certificate.tail_diagnostics (tail_mass, ess_tail, n_tail, tail_max, head_mass, p_max);
+    sketch_k > 0 adds the sketched estimate ("trace_c2_sketch", a fresh Gaussian sketch of k columns).
     """
     v = problem.values if values is None else values
     n = problem.keys.shape[0]
@@ -93,6 +99,19 @@ def monte_carlo(
         out["vhat_over_mse"] = float(var.mean() / sq_err.mean())
         out["coverage"] = float((sq_err.sqrt() <= certificate_radius(var, level)).double().mean())
         out["variance"] = var
+        if moments:
+            w, o = res.weights, res.output
+            s = sel.tail_slots
+            tc2 = torch.cat([trace_c2_exact(w[i : i + 100], vv[i : i + 100], o[i : i + 100], omp[i : i + 100],
+                                            tail_slots=s) for i in range(0, draws, 100)])[:, 0]
+            out["trace_c2"] = tc2
+            diag = tail_diagnostics(w, omp, tail_slots=s)
+            out.update({name: t[:, 0] for name, t in diag.items()})
+            out["p_max"] = w.amax(-1)[:, 0]
+            if sketch_k:
+                r = make_sketch(v.shape[-1], sketch_k, generator=generator, dtype=v.dtype)
+                vs = sketch_tail(vv[:, :s], r)
+                out["trace_c2_sketch"] = sketched_trace_c2(w, omp, vs, o, r, res.variance)[:, 0]
     return out
 
 
@@ -100,6 +119,17 @@ REGIMES = {
     "well-scored": dict(peakedness=1.5, window_noise=0.3),
     "mis-scored": dict(peakedness=2.0, window_noise=3.0),
     "very peaked": dict(peakedness=6.0, window_noise=0.3),
+}
+
+
+#: regimes that reproduce study 1's failure pattern (coverage falls with the tail's mass and effective sample size):
+#: well-scored as above; mis-scored (tail tokens with real mass but small pi); very peaked (tail mass ~3e-4, ESS ~6);
+#: peaked and mis-scored (a handful of tail tokens with tiny pi carry ~10% of the mass, ESS ~2)
+FAILURE_REGIMES = {
+    "well-scored": dict(peakedness=1.5, window_noise=0.3),
+    "mis-scored": dict(peakedness=2.0, window_noise=3.0),
+    "very peaked": dict(peakedness=8.0, window_noise=0.3),
+    "peaked, mis-scored": dict(peakedness=6.0, window_noise=1.5),
 }
 
 
