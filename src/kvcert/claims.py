@@ -168,42 +168,58 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
 
 
 def analyze(profile: str = "confirmatory") -> dict:
-    from kvcert.analysis.claims import evaluate_claim, evaluate_t1, load_predictions
-    from kvcert.analysis.figures import make_figures
-    from kvcert.analysis.scorecard import build_scorecard, jsonable, write_scorecard
+    from kvcert.analysis.claims import load_predictions
     from kvcert.prereg import verify
 
     prof = PROFILES[profile]
     out = Path(prof["out"])
     predictions = load_predictions(ROOT / "preregistration" / "predictions.yaml")
     cache: dict = {}
+    records = {}
+    for cid, name in CLAIMS.items():
+        if cid != "T1":
+            cfg = compose_claim(name, prof["overrides"])
+            records[cid] = _load_records(Path(cfg.results_dir) / result_name(cfg), cache)
+    t1_path = out / "tables" / "t1.json"
+    t1 = json.loads(t1_path.read_text()) if t1_path.exists() else None
+    runs = sorted({str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in cache})
+    return analyze_records(records, t1, predictions, out, verify(ROOT), profile=profile, runs=runs)
+
+
+def analyze_records(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]], t1: dict | None,
+                    predictions: dict[str, dict], out: Path, lock_status: dict, *, profile: str,
+                    runs: list[str]) -> dict:
+    """Claims, tables, figures and the scorecard from records already loaded (claim id -> (examples, steps)),
+    the T1 result and the lock status: everything `analyze` writes, with no config or file lookup."""
+    from kvcert.analysis.claims import evaluate_claim, evaluate_t1
+    from kvcert.analysis.figures import make_figures
+    from kvcert.analysis.scorecard import build_scorecard, jsonable, write_scorecard
+
+    out = Path(out)
     results: dict[str, dict] = {}
     main_records = None
-    for cid, name in CLAIMS.items():
+    for cid in CLAIMS:
         spec = predictions[cid]
         if cid == "T1":
-            t1_path = out / "tables" / "t1.json"
-            if t1_path.exists():
-                results[cid] = evaluate_t1(json.loads(t1_path.read_text()), spec)
+            if t1 is not None:
+                results[cid] = evaluate_t1(t1, spec)
             continue
-        cfg = compose_claim(name, prof["overrides"])
-        examples, steps = _load_records(Path(cfg.results_dir) / result_name(cfg), cache)
+        examples, steps = records[cid]
         main_records = main_records or (examples, steps)
         started = time.perf_counter()
         results[cid] = evaluate_claim(cid, examples, steps if cid == "C1" else None, spec)
         r = results[cid]
         print(f"[kvcert] {cid}: {r['verdict']:12s} observed {r['observed']} CI {r['ci']} "
               f"(paper: {r['paper_verdict']}) [{time.perf_counter() - started:.1f}s]")
-    t1 = json.loads((out / "tables" / "t1.json").read_text()) if (out / "tables" / "t1.json").exists() else None
     figures = make_figures(results, main_records[0] if main_records else None, t1, out / "figures")
     if main_records:
         write_tables(*main_records, out, n_boot=500)
     for cid, r in results.items():
         (out / "tables").mkdir(parents=True, exist_ok=True)
         (out / "tables" / f"claim_{cid.lower()}.json").write_text(json.dumps(jsonable(r), indent=2))
-    card = build_scorecard([results[c] for c in CLAIMS if c in results], verify(ROOT))
+    card = build_scorecard([results[c] for c in CLAIMS if c in results], lock_status)
     card["profile"] = profile
-    card["runs"] = sorted({str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in cache})
+    card["runs"] = runs
     paths = write_scorecard(card, out, [Path(f) for f in figures])
     print(f"[kvcert] scorecard: {paths['md']}")
     return card
