@@ -18,8 +18,8 @@ import pandas as pd
 import pytest
 
 from kvcert.analysis.claims import load_predictions
-from kvcert.claims import _pilot_summary as pilot_summary
-from kvcert.claims import analyze_records
+from kvcert.analysis.pilot import pilot_summary
+from kvcert.reproduce import analyze_records
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden"
