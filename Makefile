@@ -40,14 +40,14 @@ lint: $(STAMP) ## ruff
 	$(PY) -m ruff check src tests
 
 smoke: $(STAMP) ## under 3 minutes: the claim pipeline on a tiny profile (-> results/smoke/) + a cell with every scorer
-	$(PY) -m kvcert.claims smoke
+	$(PY) -m kvcert.reproduce smoke
 	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 
 run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." for overrides
 	$(PY) -m kvcert.run $(ARGS)
 
 pilot: $(STAMP) ## the pilot runs that chose the locked design parameters (disjoint seeds)
-	$(PY) -m kvcert.claims pilot
+	$(PY) -m kvcert.reproduce pilot
 
 lock: $(STAMP) ## hash the pre-registration into preregistration/LOCK.json
 	$(PY) -m kvcert.prereg lock
@@ -57,11 +57,11 @@ verify-lock: $(STAMP) ## fail if any locked file changed since the lock
 
 reproduce: $(STAMP) ## lock check -> every claim -> analysis -> scorecard + figures (resumable)
 	$(PY) -m kvcert.prereg verify --allow-deviations
-	$(PY) -m kvcert.claims run
-	$(PY) -m kvcert.claims analyze
+	$(PY) -m kvcert.reproduce run
+	$(PY) -m kvcert.reproduce analyze
 
 analyze: $(STAMP) ## recompute tables, figures and the scorecard from the records
-	$(PY) -m kvcert.claims analyze
+	$(PY) -m kvcert.reproduce analyze
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)
 	$(PY) -m kvcert.bench $(BENCH_ARGS)

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from kvcert.analysis.bootstrap import bootstrap_many, cluster_bootstrap, weighted_mean
+from kvcert.analysis.bootstrap import Interval, cluster_bootstrap, paired_difference, weighted_mean
 
 POINTS = 100.0
 
@@ -39,6 +39,22 @@ def select_rows(df: pd.DataFrame, filters: Mapping[str, object] | None) -> pd.Da
     return df.loc[row_mask(df, filters)]
 
 
+def paired_means(
+    a: np.ndarray,
+    b: np.ndarray,
+    clusters: Sequence | np.ndarray | pd.Series,
+    n_boot: int = 2000,
+    seed: int = 0,
+    alpha: float = 0.05,
+    diff: np.ndarray | None = None,
+) -> dict[str, Interval]:
+    """Mean of a, of b and of the paired differences (a - b unless given), in points, on the same example-cluster
+    resamples (bootstrap.paired_difference)."""
+    res = paired_difference(weighted_mean(a), weighted_mean(b), clusters, n_boot, seed, alpha,
+                            diff=weighted_mean(a - b if diff is None else diff))
+    return {k: v.scaled(POINTS) for k, v in res.items()}
+
+
 def accuracy_table(
     examples: pd.DataFrame,
     by: Sequence[str] = ("scorer", "design", "budget"),
@@ -60,22 +76,14 @@ def accuracy_table(
 
 def drop_vs_full(examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """Full-cache accuracy minus policy accuracy (points), paired on each row through its full_correct flag."""
-    full = examples["full_correct"].to_numpy(np.float64)
-    policy = examples["correct"].to_numpy(np.float64)
-    res = bootstrap_many(
-        {"full": weighted_mean(full), "policy": weighted_mean(policy), "drop": weighted_mean(full - policy)},
-        examples["example_id"],
-        n_boot,
-        seed,
-        alpha,
-    )
-    res = {k: v.scaled(POINTS) for k, v in res.items()}
+    res = paired_means(examples["full_correct"].to_numpy(np.float64), examples["correct"].to_numpy(np.float64),
+                       examples["example_id"], n_boot, seed, alpha)
     return {
-        "drop": res["drop"].as_dict(),
-        "full_accuracy": res["full"].as_dict(),
-        "policy_accuracy": res["policy"].as_dict(),
+        "drop": res["diff"].as_dict(),
+        "full_accuracy": res["a"].as_dict(),
+        "policy_accuracy": res["b"].as_dict(),
         "n_rows": len(examples),
-        "n_examples": res["drop"].n_clusters,
+        "n_examples": res["diff"].n_clusters,
     }
 
 
@@ -135,15 +143,8 @@ def paired_accuracy_difference(
 ) -> dict:
     """Mean over paired units of acc_a - acc_b (points) with a paired example-cluster interval, plus per cell."""
     units = paired_units(examples, arm_a, arm_b, pair_on)
-    res = bootstrap_many(
-        {"a": weighted_mean(units["acc_a"].to_numpy()), "b": weighted_mean(units["acc_b"].to_numpy()),
-         "diff": weighted_mean(units["diff"].to_numpy())},
-        units["example_id"],
-        n_boot,
-        seed,
-        alpha,
-    )
-    res = {k: v.scaled(POINTS) for k, v in res.items()}
+    res = paired_means(units["acc_a"].to_numpy(), units["acc_b"].to_numpy(), units["example_id"], n_boot, seed,
+                       alpha, diff=units["diff"].to_numpy())
     cells = []
     if len(units):
         for key, group in units.groupby(list(pair_on), sort=True):

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import roc_auc_score, roc_curve
 
-from kvcert.analysis.bootstrap import bootstrap_many
+from kvcert.analysis.bootstrap import paired_difference
 
 
 def degenerate_reason(labels: np.ndarray) -> str | None:
@@ -79,8 +79,7 @@ def paired_auroc(
         return {"auc_a": dict(nan), "auc_b": dict(nan), "diff": dict(nan), "n_pos": n_pos, "n_neg": n_neg,
                 "reason": reason}
     stat_a, stat_b = weighted_auroc_stat(y, a), weighted_auroc_stat(y, b)
-    res = bootstrap_many({"a": stat_a, "b": stat_b}, clusters, n_boot, seed, alpha,
-                         derived={"diff": lambda v: v["a"] - v["b"]})
+    res = paired_difference(stat_a, stat_b, clusters, n_boot, seed, alpha)
     out = {"auc_a": res["a"].as_dict(), "auc_b": res["b"].as_dict(), "diff": res["diff"].as_dict()}
     # sklearn for the reported point estimates; the fast statistic is only for the resamples
     out["auc_a"]["estimate"] = auroc(y, a)

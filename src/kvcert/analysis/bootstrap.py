@@ -118,8 +118,14 @@ def paired_difference(
     n_boot: int = 2000,
     seed: int = 0,
     alpha: float = 0.05,
+    diff: Stat | None = None,
 ) -> dict[str, Interval]:
-    """a, b and a - b, all on the same resampled clusters (so shared example difficulty cancels in a - b)."""
+    """a, b and a - b, all on the same resampled clusters (so shared example difficulty cancels in a - b).
+
+    By default diff is a - b per resample. For paired units pass `diff`, the statistic of the unit differences
+    (e.g. weighted_mean(a_values - b_values)): diff is then computed from the differences themselves."""
+    if diff is not None:
+        return bootstrap_many({"a": stat_a, "b": stat_b, "diff": diff}, clusters, n_boot, seed, alpha)
     return bootstrap_many({"a": stat_a, "b": stat_b}, clusters, n_boot, seed, alpha,
                           derived={"diff": lambda v: v["a"] - v["b"]})
 

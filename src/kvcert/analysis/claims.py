@@ -1,4 +1,7 @@
-"""Evaluate each pre-registered claim from its predictions.yaml entry.
+"""The claims registry, and each pre-registered claim evaluated from its predictions.yaml entry.
+
+The registry is predictions.yaml itself: its `claims` mapping gives the ids (in scorecard order) and each id's
+experiment is the conf/claim/*.yaml file whose `claim.id` names it.
 
 Everything that decides a verdict (which rows, which metric, threshold, direction, whether the interval or the point
 estimate decides) is read from the spec entry; this module only computes metrics and applies the generic rule:
@@ -17,17 +20,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import yaml
 
-from kvcert.analysis import accuracy, auroc, coverage, gating, recompute
+from kvcert.analysis import accuracy, auroc, coverage, intervention
 
+ROOT = Path(__file__).resolve().parents[3]
+PREDICTIONS = ROOT / "preregistration" / "predictions.yaml"
+CLAIM_CONF = ROOT / "conf" / "claim"
 TBD = "TBD_PILOT"
 VERDICTS = ("supported", "refuted", "inconclusive")
-CLAIM_IDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7")
 _OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": lambda x, t: x >= t,
     ">": lambda x, t: x > t,
@@ -36,10 +42,85 @@ _OPS: dict[str, Callable[[float, float], bool]] = {
 }
 
 
-def load_predictions(path: str | Path) -> dict[str, dict]:
+def load_predictions(path: str | Path = PREDICTIONS) -> dict[str, dict]:
     """The `claims` mapping of predictions.yaml: claim id -> spec entry."""
     data = yaml.safe_load(Path(path).read_text())
     return data["claims"]
+
+
+def claim_ids(path: str | Path = PREDICTIONS) -> tuple[str, ...]:
+    """Every claim id, in predictions.yaml order (the scorecard's order)."""
+    return tuple(load_predictions(path))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RegisteredClaim:
+    """One pre-registered claim: its id, its experiment (conf/claim/<experiment>.yaml) and its spec entry."""
+
+    id: str
+    experiment: str
+    spec: dict
+
+    @property
+    def analysis(self) -> str:
+        return str(self.spec.get("analysis", ""))
+
+
+def registry(predictions: str | Path = PREDICTIONS, conf_dir: str | Path = CLAIM_CONF) -> dict[str, RegisteredClaim]:
+    """Claim id -> RegisteredClaim, ids from predictions.yaml, experiments found by their `claim.id` field."""
+    experiments: dict[str, str] = {}
+    for path in sorted(Path(conf_dir).glob("*.yaml")):
+        cid = ((yaml.safe_load(path.read_text()) or {}).get("claim") or {}).get("id")
+        if cid is not None:
+            if cid in experiments:
+                raise ValueError(f"claim {cid} has two experiments: {experiments[cid]}, {path.stem}")
+            experiments[str(cid)] = path.stem
+    specs = load_predictions(predictions)
+    missing = [cid for cid in specs if cid not in experiments]
+    if missing:
+        raise ValueError(f"no conf/claim experiment with claim.id {', '.join(missing)}")
+    return {cid: RegisteredClaim(id=cid, experiment=experiments[cid], spec=spec) for cid, spec in specs.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClaimResult:
+    """One claim's outcome. as_dict() is its JSON form (claim_*.json, a scorecard row); conditions, secondary and
+    metrics are left out when None (T1 has none), and a claim that was not evaluated keeps only its row keys."""
+
+    id: str
+    claim: str = ""
+    prediction: str = ""
+    primary_metric: str | None = None
+    unit: str = ""
+    observed: float | None = None
+    ci: list = field(default_factory=lambda: [None, None])
+    verdict: str = "inconclusive"
+    paper_verdict: str | None = None
+    paper_value: str | None = None
+    agrees_with_paper: bool | None = None
+    n_examples: int | None = None
+    conditions: list | None = None
+    secondary: list | None = None
+    metrics: dict | None = None
+    details: dict = field(default_factory=dict)
+    evaluated: bool = True
+
+    @classmethod
+    def not_evaluated(cls, claim_id: str) -> ClaimResult:
+        return cls(id=claim_id, evaluated=False, details={"reason": "not evaluated"})
+
+    def as_dict(self) -> dict:
+        if not self.evaluated:
+            return {"id": self.id, "claim": self.claim, "prediction": self.prediction, "observed": self.observed,
+                    "ci": self.ci, "verdict": self.verdict, "paper_verdict": self.paper_verdict,
+                    "agrees_with_paper": self.agrees_with_paper, "evaluated": False, "details": self.details}
+        out = {"id": self.id, "claim": self.claim, "prediction": self.prediction,
+               "primary_metric": self.primary_metric, "unit": self.unit, "observed": self.observed, "ci": self.ci,
+               "verdict": self.verdict, "paper_verdict": self.paper_verdict, "paper_value": self.paper_value,
+               "agrees_with_paper": self.agrees_with_paper, "n_examples": self.n_examples}
+        out |= {k: v for k, v in (("conditions", self.conditions), ("secondary", self.secondary),
+                                  ("metrics", self.metrics)) if v is not None}
+        return out | {"details": self.details}
 
 
 def find_tbd(obj: object, where: str = "") -> list[str]:
@@ -209,22 +290,22 @@ def _auroc_attribution(examples: pd.DataFrame, steps: pd.DataFrame | None, spec:
 
 def _escalation(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
     ex = accuracy.select_rows(examples, spec.get("rows"))
-    units, excluded = gating.escalation_units(ex, spec["low"], spec["high"])
-    res = gating.escalation_gain(units, float(spec["rate"]), **_boot(spec))
+    units, excluded = intervention.escalation_units(ex, spec["low"], spec["high"])
+    res = intervention.escalation_gain(units, float(spec["rate"]), **_boot(spec))
     names = ("gain_random", "gain_confidence", "certificate", "confidence", "random", "oracle", "low", "high")
     metrics = {k: res[k] for k in names}
-    curves = gating.escalation_curves(units, spec.get("rates", gating.DEFAULT_RATES))
+    curves = intervention.escalation_curves(units, spec.get("rates", intervention.DEFAULT_RATES))
     details = {"curves": _records(curves), "n_units": res["n_units"], "n_excluded": excluded, "rate": res["rate"]}
     return metrics, details, int(res["n_examples"])
 
 
 def _recompute(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
     ex = accuracy.select_rows(examples, spec.get("rows"))
-    budgets = spec.get("recompute_budgets", recompute.DEFAULT_BUDGETS)
-    res = recompute.recompute_areas(ex, budgets, **_boot(spec))
+    budgets = spec.get("recompute_budgets", intervention.DEFAULT_BUDGETS)
+    res = intervention.recompute_areas(ex, budgets, **_boot(spec))
     names = ("diff_random", "diff_confidence", "certificate", "confidence", "random", "oracle")
     metrics = {k: res[k] for k in names}
-    details = {"curves": _records(recompute.recompute_curves(ex, budgets)), "n_excluded": res["n_excluded"],
+    details = {"curves": _records(intervention.recompute_curves(ex, budgets)), "n_excluded": res["n_excluded"],
                "n_cache_induced": res["n_cache_induced"], "budgets": res["budgets"]}
     return metrics, details, int(res["n_examples"])
 
@@ -249,7 +330,7 @@ def _agrees(verdict: str, paper_verdict: str | None) -> bool | None:
 
 def evaluate_claim(
     claim_id: str, examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping[str, object]
-) -> dict:
+) -> ClaimResult:
     """Metrics, verdict and details for one claim C1..C7 from its predictions.yaml entry."""
     pending = find_tbd(spec)
     if pending:
@@ -266,27 +347,27 @@ def evaluate_claim(
         for c in spec.get("secondary", [])
     ]
     primary = metrics[str(spec["primary_metric"])]
-    return {
-        "id": claim_id,
-        "claim": spec.get("claim", ""),
-        "prediction": spec.get("prediction", ""),
-        "primary_metric": spec["primary_metric"],
-        "unit": spec.get("unit", ""),
-        "observed": primary["estimate"],
-        "ci": [primary.get("lo"), primary.get("hi")],
-        "verdict": verdict,
-        "paper_verdict": spec.get("paper_verdict"),
-        "paper_value": spec.get("paper_value"),
-        "agrees_with_paper": _agrees(verdict, spec.get("paper_verdict")),
-        "n_examples": n_examples,
-        "conditions": conditions,
-        "secondary": secondary,
-        "metrics": metrics,
-        "details": details | {"excluded_rows": excluded, "analysis": kind},
-    }
+    return ClaimResult(
+        id=claim_id,
+        claim=spec.get("claim", ""),
+        prediction=spec.get("prediction", ""),
+        primary_metric=spec["primary_metric"],
+        unit=spec.get("unit", ""),
+        observed=primary["estimate"],
+        ci=[primary.get("lo"), primary.get("hi")],
+        verdict=verdict,
+        paper_verdict=spec.get("paper_verdict"),
+        paper_value=spec.get("paper_value"),
+        agrees_with_paper=_agrees(verdict, spec.get("paper_verdict")),
+        n_examples=n_examples,
+        conditions=conditions,
+        secondary=secondary,
+        metrics=metrics,
+        details=details | {"excluded_rows": excluded, "analysis": kind},
+    )
 
 
-def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> dict:
+def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> ClaimResult:
     """T1 non-identifiability: the deterministic estimate stays constant while its true error grows, and the
     randomized mean V_hat tracks the MSE (ratio within spec['ratio_band'] at every lambda with MSE > 0)."""
     lam = np.asarray(t1_result["lambda"], dtype=np.float64)
@@ -323,20 +404,20 @@ def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> di
     observed = float(finite_ratio.mean()) if finite_ratio.size else float("nan")
     ci = [float(finite_ratio.min()), float(finite_ratio.max())] if finite_ratio.size else [None, None]
     paper = spec.get("paper_verdict")
-    return {
-        "id": "T1",
-        "claim": spec.get("claim", ""),
-        "prediction": spec.get("prediction", ""),
-        "primary_metric": spec.get("primary_metric", "mean_vhat_over_mse"),
-        "unit": spec.get("unit", "ratio"),
-        "observed": observed,
-        "ci": ci,
-        "verdict": verdict,
-        "paper_verdict": paper,
-        "paper_value": spec.get("paper_value"),
-        "agrees_with_paper": _agrees(verdict, paper),
-        "n_examples": None,
-        "details": {
+    return ClaimResult(
+        id="T1",
+        claim=spec.get("claim", ""),
+        prediction=spec.get("prediction", ""),
+        primary_metric=spec.get("primary_metric", "mean_vhat_over_mse"),
+        unit=spec.get("unit", "ratio"),
+        observed=observed,
+        ci=ci,
+        verdict=verdict,
+        paper_verdict=paper,
+        paper_value=spec.get("paper_value"),
+        agrees_with_paper=_agrees(verdict, paper),
+        n_examples=None,
+        details={
             "ci_kind": "range over lambda of mean V_hat / MSE (not a confidence interval)",
             "checks": checks,
             "error_growth": float(growth),
@@ -344,4 +425,4 @@ def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> di
             "lambda": np.sort(lam).tolist(),
             "inputs_valid": bool(arrays_ok),
         },
-    }
+    )

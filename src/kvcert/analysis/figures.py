@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvcert.analysis.accuracy import accuracy_vs_budget  # noqa: E402
+from kvcert.analysis.claims import ClaimResult  # noqa: E402
 
 
 def _save(fig: plt.Figure, out_dir: str | Path, name: str) -> Path:
@@ -107,7 +108,7 @@ def plot_t1(t1_result: Mapping[str, list], out_dir: str | Path, name: str = "t1_
 
 
 def make_figures(
-    claim_results: Mapping[str, dict],
+    claim_results: Mapping[str, ClaimResult],
     examples: pd.DataFrame | None,
     t1_result: Mapping[str, list] | None,
     out_dir: str | Path,
@@ -116,24 +117,24 @@ def make_figures(
 ) -> list[Path]:
     """Every figure available from evaluated claims (by id), the examples table and the T1 result."""
     paths: list[Path] = []
-    c1 = claim_results.get("C1", {}).get("details", {})
-    if c1.get("calibration"):
-        paths.append(plot_calibration(c1["calibration"], out_dir))
+    c1 = claim_results.get("C1")
+    if c1 is not None and c1.details.get("calibration"):
+        paths.append(plot_calibration(c1.details["calibration"], out_dir))
     if examples is not None and len(examples):
         paths.append(plot_accuracy_vs_budget(accuracy_vs_budget(examples, n_boot=n_boot, seed=seed), out_dir))
     for cid, title in (("C4", "C4: predicting failure"), ("C6", "C6: cache-induced vs inherent failures")):
         res = claim_results.get(cid)
         if res:
-            d, m = res["details"], res["metrics"]
+            d, m = res.details, res.metrics
             paths.append(plot_roc({"certificate": d["roc_cert"], "confidence (-logprob)": d["roc_confidence"]},
                                   out_dir, f"{cid.lower()}_roc.png", title,
                                   {"certificate": m["auc_cert"]["estimate"],
                                    "confidence (-logprob)": m["auc_conf"]["estimate"]}))
     if claim_results.get("C5"):
-        paths.append(plot_policy_curves(claim_results["C5"]["details"]["curves"], "rate", out_dir,
+        paths.append(plot_policy_curves(claim_results["C5"].details["curves"], "rate", out_dir,
                                         "c5_escalation.png", "C5: budget escalation", "escalation rate"))
     if claim_results.get("C7"):
-        paths.append(plot_policy_curves(claim_results["C7"]["details"]["curves"], "budget", out_dir,
+        paths.append(plot_policy_curves(claim_results["C7"].details["curves"], "budget", out_dir,
                                         "c7_recompute.png", "C7: recomputation with the full cache",
                                         "recompute budget (fraction of examples)"))
     if t1_result:

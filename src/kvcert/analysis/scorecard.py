@@ -7,13 +7,14 @@ import html
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-SCORECARD_IDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1")
+from kvcert.analysis.claims import ClaimResult, claim_ids
+
 ROW_KEYS = ("id", "claim", "prediction", "observed", "ci", "verdict", "paper_verdict", "agrees_with_paper")
 
 
@@ -51,20 +52,15 @@ def lock_line(lock: Mapping[str, object]) -> str:
     return "Pre-registration: NOT LOCKED (no preregistration/LOCK.json)"
 
 
-def build_scorecard(claim_results: list[dict], lock_status: dict) -> dict:
-    """{"lock": ..., "claims": [...]} in the order C1..C7, T1; a claim with no result is listed as not evaluated."""
-    by_id = {r["id"]: r for r in claim_results}
-    unknown = sorted(set(by_id) - set(SCORECARD_IDS))
+def build_scorecard(claim_results: list[ClaimResult], lock_status: dict, ids: Sequence[str] | None = None) -> dict:
+    """{"lock": ..., "claims": [...]} in registry order (predictions.yaml: C1..C7, T1) unless `ids` is given; a
+    claim with no result is listed as not evaluated."""
+    ids = tuple(claim_ids() if ids is None else ids)
+    by_id = {r.id: r for r in claim_results}
+    unknown = sorted(set(by_id) - set(ids))
     if unknown:
         raise ValueError(f"unknown claim ids in results: {unknown}")
-    claims = []
-    for cid in SCORECARD_IDS:
-        if cid in by_id:
-            claims.append(dict(by_id[cid]))
-        else:
-            claims.append({"id": cid, "claim": "", "prediction": "", "observed": None, "ci": [None, None],
-                           "verdict": "inconclusive", "paper_verdict": None, "agrees_with_paper": None,
-                           "evaluated": False, "details": {"reason": "not evaluated"}})
+    claims = [(by_id[cid] if cid in by_id else ClaimResult.not_evaluated(cid)).as_dict() for cid in ids]
     lock = {**lock_status, "line": lock_line(lock_status)}
     return jsonable({"lock": lock, "claims": claims})
 

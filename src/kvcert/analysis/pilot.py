@@ -1,0 +1,38 @@
+"""The pilot summary (disjoint seeds, every candidate design setting as a variant) that chose the locked design
+parameters: accuracy, certificate score, relative error and 95% coverage per variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+
+def pilot_summary(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
+    """One row per variant: accuracy, full-cache accuracy, certificate score, relative error, n, coverage."""
+    cert = steps[np.isfinite(steps.variance)]
+    cov = (cert.error <= cert.radius95).groupby(cert.variant).mean().rename("coverage")
+    g = examples.groupby(["variant", "scorer", "design", "budget", "tail_fraction", "floor"]).agg(
+        accuracy=("correct", "mean"), full_accuracy=("full_correct", "mean"), cert_score=("cert_score", "mean"),
+        rel_error=("rel_error_mean", "mean"), n=("correct", "size")).reset_index()
+    return g.join(cov, on="variant")
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def write_pilot_summary(table: pd.DataFrame, out: str | Path) -> dict[str, Path]:
+    """out/summary.csv and out/summary.md (a Markdown table when tabulate is installed, plain text otherwise)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out / "summary.csv", "md": out / "summary.md"}
+    table.to_csv(paths["csv"], index=False)
+    text = table.to_markdown(index=False, floatfmt=".3f") if _has_tabulate() else table.to_string(index=False)
+    paths["md"].write_text(text + "\n")
+    return paths

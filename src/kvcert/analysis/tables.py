@@ -1,0 +1,42 @@
+"""The descriptive tables beside the claims (CSV): accuracy vs budget, per-variant summary, coverage tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from kvcert.analysis.accuracy import accuracy_vs_budget
+from kvcert.analysis.coverage import calibration_curve, coverage_table, steps_for
+
+
+def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, n_boot: int) -> list[Path]:
+    """The descriptive tables beside the claims (CSV), under out/tables/; returns the paths written."""
+    tables = Path(out) / "tables"
+    tables.mkdir(parents=True, exist_ok=True)
+    written = []
+    acc = accuracy_vs_budget(examples, n_boot=n_boot)
+    acc.to_csv(tables / "accuracy_vs_budget.csv", index=False)
+    written.append(tables / "accuracy_vs_budget.csv")
+    summary = (examples.groupby(["scorer", "design", "budget"], dropna=False)
+               .agg(n=("correct", "size"), accuracy=("correct", "mean"), kept_tokens=("kept_tokens", "mean"),
+                    cert_score=("cert_score", "mean"), rel_error=("rel_error_mean", "mean"),
+                    covered95=("covered95", "mean"), logprob=("logprob_mean", "mean"))
+               .reset_index())
+    summary.to_csv(tables / "variants.csv", index=False)
+    written.append(tables / "variants.csv")
+    if steps is not None and len(steps):
+        s = steps_for(examples, steps)
+        meta = examples.drop_duplicates("variant").set_index("variant")[["design", "scorer", "budget"]]
+        s = s.join(meta, on="variant")
+        cert = s[np.isfinite(s.variance)]
+        for by in (["design", "scorer", "budget"], ["design", "layer"], ["design", "budget", "layer"]):
+            name = "coverage_by_" + "_".join(by) + ".csv"
+            coverage_table(cert, by=by, n_boot=min(n_boot, 200)).to_csv(tables / name, index=False)
+            written.append(tables / name)
+        calib = [calibration_curve(g).assign(design=d) for d, g in cert.groupby("design")]
+        if calib:
+            pd.concat(calib).to_csv(tables / "calibration_by_design.csv", index=False)
+            written.append(tables / "calibration_by_design.csv")
+    return written

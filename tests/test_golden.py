@@ -1,0 +1,70 @@
+"""Golden test: the whole claim analysis on a small committed records fixture reproduces, byte for byte, the
+scorecard, the per-claim JSON tables, the CSV tables and the pilot summary that the analysis produced when the
+fixture was made (tests/fixtures/golden/README.md). The analysis files are locked by the pre-registration, so any
+refactor of them must keep this test passing unchanged.
+
+The lock status is pinned (tests/fixtures/golden/lock_status.json) instead of read from the tree: it is the one
+part of the scorecard that legitimately changes when a locked file changes (a recorded deviation), and it is not
+computed from the records. Figures (PNG) are not compared byte for byte (matplotlib versions differ); their names
+are, and scorecard.html lists them. The bootstrap counts are the pre-registered ones (predictions.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from kvcert.analysis.claims import load_predictions
+from kvcert.analysis.pilot import pilot_summary
+from kvcert.reproduce import analyze_records
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "fixtures" / "golden"
+EXPECTED = GOLDEN / "expected"
+RUN = next((GOLDEN / "runs").iterdir())
+CLAIM_IDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7")
+
+
+def _records() -> tuple[pd.DataFrame, pd.DataFrame]:
+    return pd.read_parquet(RUN / "examples.parquet"), pd.read_parquet(RUN / "steps.parquet")
+
+
+def _expected_files() -> list[str]:
+    return sorted(p.relative_to(EXPECTED).as_posix() for p in EXPECTED.rglob("*")
+                  if p.is_file() and p.name not in ("figures.txt", "pilot_summary.csv"))
+
+
+@pytest.fixture(scope="module")
+def analyzed(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("golden")
+    records = _records()
+    predictions = load_predictions(ROOT / "preregistration" / "predictions.yaml")
+    lock = json.loads((GOLDEN / "lock_status.json").read_text())
+    t1 = json.loads((GOLDEN / "t1.json").read_text())
+    analyze_records({cid: records for cid in CLAIM_IDS}, t1, predictions, out, lock, profile="golden",
+                    runs=[RUN.relative_to(ROOT).as_posix()])
+    return out
+
+
+@pytest.mark.parametrize("name", _expected_files())
+def test_golden_output_is_byte_identical(analyzed, name):
+    produced = analyzed / name
+    assert produced.is_file(), f"{name} was not written"
+    assert produced.read_bytes() == (EXPECTED / name).read_bytes(), f"{name} differs from the golden output"
+
+
+def test_golden_writes_no_unexpected_table_and_the_same_figures(analyzed):
+    written = {p.relative_to(analyzed).as_posix() for p in analyzed.rglob("*") if p.is_file()}
+    tables = {n for n in written if not n.startswith("figures/")}
+    assert tables == set(_expected_files())
+    figures = sorted(n.removeprefix("figures/") for n in written if n.startswith("figures/"))
+    assert figures == (EXPECTED / "figures.txt").read_text().split()
+
+
+def test_golden_pilot_summary_is_byte_identical(tmp_path):
+    examples, steps = _records()
+    pilot_summary(examples, steps).to_csv(tmp_path / "pilot_summary.csv", index=False)
+    assert (tmp_path / "pilot_summary.csv").read_bytes() == (EXPECTED / "pilot_summary.csv").read_bytes()
