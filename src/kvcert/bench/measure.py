@@ -161,9 +161,9 @@ def bench_threads(model, model_name, cfg, device, dtype, log) -> dict:
 
 # ------------------------------------------------------------------------------ 6. end to end, before / after
 def confirmatory_config():
-    """The confirmatory cell's config, composed the way kvcert.claims.compose_claim('c1_coverage') does."""
+    """The confirmatory cell's config, composed the way kvcert.reproduce.compose_claim('c1_coverage') does."""
     try:
-        from kvcert.claims import compose_claim
+        from kvcert.reproduce import compose_claim
     except ImportError:
         compose_claim = None
     if compose_claim is not None:
