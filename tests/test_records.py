@@ -58,3 +58,30 @@ def test_shard_store_marks_complete_only_when_every_shard_exists(tmp_path):
     store.write(1, frame, None)
     store.merge(expected=2)
     assert store.complete and len(pd.read_parquet(store.run_dir / "examples.parquet")) == 2
+
+
+def test_step_rows_carry_the_tight_radius_and_the_regime_flag(tiny_smol):
+    """On a real decode: the tight radius lies between 1/1.96 and 1 times the conservative one (effective dimension
+    between d and 1), the diagnostics are consistent, and cells without a certificate carry NaN, never 0."""
+    import torch
+
+    from kvcert.hf import DecodeOptions, Prompt, generate_variants
+
+    model, _ = tiny_smol
+    ids = torch.randint(100, 5000, (160,), generator=torch.Generator().manual_seed(3)).tolist()
+    pols = [FULL, Policy(scorer="window_question", design="randomized", budget=0.4, seed=1),
+            Policy(scorer="streaming", design="topk", budget=0.4)]
+    res = generate_variants(model, None, Prompt(input_ids=ids, question_start=130, example_id="t"), pols,
+                            DecodeOptions(max_new_tokens=4))
+    df = step_frame("run", "t", res)
+    rand = df[df.variant == pols[1].label]
+    ratio = rand.radius95_tight / rand.radius95
+    assert ((ratio > 0.5) & (ratio <= 1.0001)).all()
+    assert (rand.n_tail > 0).all() and (rand.ess_tail <= rand.n_tail + 1e-3).all() and (rand.ess_tail >= 1).all()
+    assert np.allclose(rand.tail_mass + rand.head_mass, 1 - 0, atol=0.2)  # the rest is the appended tokens
+    assert (rand.tail_max <= rand.tail_mass + 1e-3).all()
+    assert rand.certificate_trusted.dtype == bool
+    for name in ("radius95_tight", "trace_c2", "ess_tail"):
+        assert df.loc[df.variant != pols[1].label, name].isna().all(), name
+    assert (df.loc[df.variant != pols[1].label, "n_tail"] == -1).all()
+    assert not df.loc[df.variant != pols[1].label, "certificate_trusted"].any()

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
+import torch
 
+from kvcert.core.certificate import certificate_trusted, tight_radius
 from kvcert.core.hajek import z_value
 from kvcert.tasks import score
 
@@ -35,7 +37,9 @@ EXAMPLE_COLUMNS = [
     "rel_error_mean", "covered95", "steps95", "steps_total", "nonfinite", "uncompressed_layers",
 ]
 STEP_COLUMNS = ["run", "example_id", "variant", "step", "layer", "head", "error", "radius95", "variance", "out_norm",
-                "tail_mass", "p_max"]
+                "tail_mass", "p_max", "radius95_tight", "trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass",
+                "certificate_trusted"]
+CERTIFICATE_STATS = ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass")
 
 
 def _finite_or_nan(x: float) -> float:
@@ -93,19 +97,31 @@ def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float
 
 
 def step_frame(run: str, example_id: str, results: Iterable[VariantResult]) -> pd.DataFrame:
-    """steps.parquet rows: per variant x answer step x layer x query head (float32)."""
+    """steps.parquet rows: per variant x answer step x layer x query head. float32 for the error, the variance and
+    the radii; float16 for the diagnostics (3 significant digits); NaN wherever the certificate is undefined."""
     frames = []
     for r in results:
         if "error" not in r.stats or r.n_answer == 0:
             continue
         s, n_layers, n_heads = r.stats["error"].shape
         idx = np.indices((s, n_layers, n_heads)).reshape(3, -1)
-        var = r.stats.get("variance", np.full((s, n_layers, n_heads), np.nan, np.float32)).reshape(-1)
+        nan = np.full(s * n_layers * n_heads, np.nan, np.float32)
+        flat = {k: r.stats[k].reshape(-1) if k in r.stats else nan for k in ("variance", *CERTIFICATE_STATS)}
+        var = flat["variance"]
+        tight = tight_radius(torch.from_numpy(var.astype(np.float64)), torch.from_numpy(
+            flat["trace_c2"].astype(np.float64)), 0.95).numpy().astype(np.float32)
         frames.append(pd.DataFrame({
             "step": idx[0].astype(np.int16), "layer": idx[1].astype(np.int16), "head": idx[2].astype(np.int16),
             "error": r.stats["error"].reshape(-1), "radius95": (Z95 * np.sqrt(np.maximum(var, 0))).astype(np.float32),
             "variance": var.astype(np.float32), "out_norm": r.stats["out_norm"].reshape(-1),
             "tail_mass": r.stats["tail_mass"].reshape(-1), "p_max": r.stats["p_max"].reshape(-1),
+            "radius95_tight": np.where(np.isfinite(var), tight, np.nan).astype(np.float32),
+            "trace_c2": flat["trace_c2"].astype(np.float32),
+            "ess_tail": flat["ess_tail"].astype(np.float16),
+            "n_tail": np.nan_to_num(flat["n_tail"], nan=-1).astype(np.int16),  # -1: no certificate
+            "tail_max": flat["tail_max"].astype(np.float16), "head_mass": flat["head_mass"].astype(np.float16),
+            "certificate_trusted": certificate_trusted(flat["ess_tail"], r.stats["tail_mass"].reshape(-1),
+                                                       flat["n_tail"]) & np.isfinite(var),
         }).assign(variant=r.policy.label))
     if not frames:
         return pd.DataFrame(columns=STEP_COLUMNS)

@@ -350,3 +350,18 @@ def radius_ratio(eff_dim: float, level: float = 0.95) -> float:
     """r_tight / r_conservative at a given effective dimension (a scalar helper for documentation)."""
     q = float(chi2_quantile(level, torch.tensor([float(eff_dim)], dtype=torch.float64))[0])
     return math.sqrt(q / eff_dim) / z_value(level)
+
+
+# ------------------------------------------------------------------------------------------- the regime flag
+TRUSTED_ESS_MIN = 10.0  # the tail has at least this many effective samples
+TRUSTED_TAIL_MASS_MIN = 1e-2  # and carries at least this share of the attention
+TRUSTED_ESS_RATIO_MIN = 0.3  # and its Hajek weights are nearly equal (ess_tail / n_tail): pi tracks the query
+
+
+def certificate_trusted(ess_tail, tail_mass, n_tail):
+    """Where the certificate is not known to be wrong (torch or numpy arrays; NaN -> False). In the Monte Carlo of
+    kvcert.exploratory.certificate_mc no remedy reaches nominal coverage outside this set (peaked and mis-scored
+    attention: few effective samples, small pi on tokens that carry real mass); inside it the tight radius covers
+    0.949 at level 0.95. A certificate outside it is reported as untrusted, never as a bound."""
+    ratio = ess_tail / (n_tail + (n_tail == 0))
+    return (ess_tail >= TRUSTED_ESS_MIN) & (tail_mass >= TRUSTED_TAIL_MASS_MIN) & (ratio >= TRUSTED_ESS_RATIO_MIN)

@@ -24,7 +24,19 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from kvcert.core.certificate import make_sketch, sketch_tail_from_vr, sketched_trace_c2, tail_diagnostics
 from kvcert.core.hajek import hajek_attention
+
+SKETCH_K = 8  # columns of the fixed Gaussian sketch behind tr(C^2) (core/certificate.py: cost and accuracy)
+SKETCH_SEED = 0  # drawn once per head_dim from this seed, so records are reproducible
+_SKETCHES: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def value_sketch(d: int, device) -> torch.Tensor:
+    key = (d, str(device))
+    if key not in _SKETCHES:
+        _SKETCHES[key] = make_sketch(d, SKETCH_K, generator=torch.Generator().manual_seed(SKETCH_SEED), device=device)
+    return _SKETCHES[key]
 
 NAME = "kvcert"
 
@@ -129,6 +141,7 @@ class LayerBuffers:
     oracle_values: torch.Tensor | None = None
     oracle_length: int = 0
     compressed: bool = True  # False: a sliding-window layer kept exactly (no certificate: variance NaN)
+    prefix: int = 0  # entries [0, prefix) are the compressed prompt (tail, head, padding); later ones were appended
     window: int | None = None  # sliding window (tokens, the query included); None = full attention
     positions: torch.Tensor | None = None  # (B, capacity) absolute positions of the slots (window layers only)
 
@@ -149,6 +162,12 @@ class StepStats:
     out_norm: list[torch.Tensor] = field(default_factory=list)
     tail_mass: list[torch.Tensor] = field(default_factory=list)
     p_max: list[torch.Tensor] = field(default_factory=list)
+    # with the certificate (NaN where it is undefined): kvcert.core.certificate
+    trace_c2: list[torch.Tensor] = field(default_factory=list)  # sketched, debiased tr(C_hat^2)
+    ess_tail: list[torch.Tensor] = field(default_factory=list)  # Kish effective sample size of the tail weights
+    n_tail: list[torch.Tensor] = field(default_factory=list)  # sampled tail tokens
+    tail_max: list[torch.Tensor] = field(default_factory=list)  # largest tail weight
+    head_mass: list[torch.Tensor] = field(default_factory=list)  # mass of the retained prompt head (pi = 1)
 
 
 class Bucket:
@@ -176,6 +195,9 @@ class Bucket:
         self._oracle_kt, self._oracle_v = oracle_prefix if oracle_prefix is not None else ([], [])
         self.oracle_prefix = self._oracle_kt[0].shape[-1] if self._oracle_kt else 0
         self._tail = [(b.one_minus_pi > 0).float().unsqueeze(-1) for b in layers]  # 1.0 on real tail slots
+        # V_tail R once per compression (values are fixed then); the per-step tr(C^2) estimate reads only this
+        self._sketch = value_sketch(layers[0].keys.shape[-1], layers[0].keys.device)
+        self._vr = [b.values[:, :, : b.tail_slots] @ self._sketch for b in layers]
 
     @property
     def batch_size(self) -> int:
@@ -186,6 +208,7 @@ class Bucket:
         for layer, buf in enumerate(self.layers):
             buf.keep_rows(rows)
             self._tail[layer] = self._tail[layer].index_select(0, rows)
+            self._vr[layer] = self._vr[layer].index_select(0, rows)
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -243,6 +266,11 @@ class Bucket:
             undefined = ~self.certificate_rows[:, None] if buf.compressed else torch.ones_like(
                 self.certificate_rows[:, None])
             step["variance"] = res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan"))
+            diag = tail_diagnostics(p, buf.one_minus_pi, tail_slots=s, prefix=buf.prefix)
+            diag["trace_c2"] = sketched_trace_c2(p, buf.one_minus_pi, sketch_tail_from_vr(self._vr[layer]), out,
+                                                 self._sketch, res.variance) if s else torch.zeros_like(res.variance)
+            for name in ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass"):
+                step[name] = diag[name].reshape(bsz, n_q).masked_fill(undefined, float("nan"))
         if self.has_oracle:
             exact = self._oracle(layer, q, buf, scale)
             step["error"] = (out - exact).norm(dim=-1).reshape(bsz, n_q)

@@ -238,6 +238,6 @@ def _build_bucket(comps: list[Compressed], policies: list[Policy], prefill: Pref
         layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp,
                                    value_sq_norms=values[:, :, :slots].square().sum(-1), tail_slots=slots,
                                    length=width, oracle_keys=own, oracle_values=None if own is None else own.clone(),
-                                   compressed=window is None, window=window, positions=positions))
+                                   compressed=window is None, window=window, positions=positions, prefix=width))
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
     return Bucket(layers, certificate_rows=rows, oracle_prefix=prefill.oracle_prefix(region) if oracle else None)
