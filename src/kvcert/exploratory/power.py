@@ -394,6 +394,11 @@ def variant_table(attribution_budget: float, escalation: tuple[float, float], c4
                          for s, d, b in grid])
 
 
+def P_Z_HM(auc: float, n_pos: int, n_neg: int) -> float:  # noqa: N802 - a formula's name
+    """95% half-width of one AUROC by Hanley-McNeil."""
+    return Z * hanley_mcneil_se(auc, n_pos, n_neg)
+
+
 def _md(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
     cols = list(df.columns)
     out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -471,6 +476,20 @@ def main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - run b
     trip21 = sum(seconds_per_example(x, 21) for x in (1000, 2000, 4000))
     trip19 = sum(seconds_per_example(x, 19) for x in (1000, 2000, 4000))
     w = {(v, k): wall_minutes(args.n_per_cell, v, workers=k) for v in (19, 21) for k in (1, 2)}
+    w_slow = {k: wall_minutes(args.n_per_cell, 19, workers=k, s_1k_21=8.0 * 1.3) for k in (1, 2)}
+    att = info["attribution"]
+    se6 = att["c6_auc_diff"]["se"]
+    auc_rows = []
+    for npos, nneg in ((20, 70), (att["cache_induced"], att["inherent"]), (50, 50), (100, 100),
+                       (round(info["attribution_rates"]["mean"]["cache_induced"] * n_prop),
+                        round(info["attribution_rates"]["mean"]["inherent"] * n_prop)), (150, 150)):
+        auc_rows.append({"n_cache_induced": str(npos), "n_inherent": str(nneg),
+                         "hm_half_width_auc_0.685": P_Z_HM(0.685, npos, nneg),
+                         "hm_half_width_auc_0.75": P_Z_HM(0.75, npos, nneg),
+                         "diff_half_width_scaled_from_study1": Z * auroc_se_at(
+                             se6, att["cache_induced"], att["inherent"], npos, nneg)})
+    auc_tab = pd.DataFrame(auc_rows)
+    auc_tab.to_csv(args.out / "power_auroc.csv", index=False)
     show = table[["claim", "metric", "effect_study1", "sd_per_example", "half_width_study1", "margin", "n_needed",
                   "n_needed_per_cell", "n_proposed", "half_width_proposed", "power_at_study1_effect"]]
     text = f"""# EXPLORATORY / design input: power analysis for study 2
@@ -523,6 +542,11 @@ choose the budget; their SEs are 0.07-0.10, so the differences between budgets a
 {_md(by_budget[["budget", "c6_auc_cert", "c6_auc_conf", "c6_diff", "c6_diff_se", "c7_diff_random",
                 "c7_diff_random_sd", "c7_diff_conf", "c7_diff_conf_sd", "c4_diff", "c4_diff_sd"]])}
 
+AUROC half-widths as a function of the failure counts (C6; Hanley-McNeil for one AUROC, and the paired difference's
+study-1 bootstrap SE at 0.25 moved with SE ~ sqrt(1/n_cache + 1/n_inherent)):
+
+{_md(auc_tab)}
+
 C4 stays at 0.75: it needs successes as well as failures, and at 0.25 only 17 of 140 rows succeed (at 0.75: 50).
 Failure counts for every scorer x design x budget: `power_failures.csv`.
 
@@ -553,7 +577,9 @@ processes on the 2 cores (2 only if no other job shares them).
 {_md(wall, ".1f")}
 
 At {args.n_per_cell} per cell and 19 variants: {w[19, 1]:.0f} min on one
-worker, {w[19, 2]:.0f} min on two; 21 variants: {w[21, 1]:.0f} / {w[21, 2]:.0f} min. The ~90-minute
+worker, {w[19, 2]:.0f} min on two; 21 variants: {w[21, 1]:.0f} / {w[21, 2]:.0f} min. If the certificate
+statistics now in the hot path (sketched tr(C^2), ESS; main 8b96df5) add 30% per example, 19 variants take
+{w_slow[1]:.0f} / {w_slow[2]:.0f} min: re-time on the lock commit before fixing N. The ~90-minute
 ceiling therefore holds with the two ablations cut even if only one core is free, and with them kept on two free
 cores.
 """
