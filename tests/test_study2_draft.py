@@ -1,0 +1,62 @@
+"""The study-2 DRAFT pre-registration (preregistration/study2/): schema-compatible with study 1, seeds disjoint,
+readable by the locked analysis, and clearly marked as not locked."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from kvcert.analysis.claims import evaluate_claim, load_predictions
+from synthetic import NB, synthetic_examples
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY1 = ROOT / "preregistration" / "predictions.yaml"
+STUDY2 = ROOT / "preregistration" / "study2" / "predictions.yaml"
+PLAN = ROOT / "preregistration" / "study2" / "PLAN.md"
+
+
+def test_plan_is_marked_draft_at_the_top():
+    head = PLAN.read_text().splitlines()[:5]
+    assert any("DRAFT" in line and "not locked" in line for line in head)
+    assert yaml.safe_load(STUDY2.read_text())["status"] == "draft"
+
+
+def test_same_claims_and_schema_as_study1():
+    s1, s2 = load_predictions(STUDY1), load_predictions(STUDY2)
+    assert list(s1) == list(s2) == ["C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1"]
+    for cid in s1:
+        assert set(s1[cid]) == set(s2[cid]), cid
+        # thresholds and decision rules are study 1's, unchanged
+        assert s1[cid].get("decision") == s2[cid].get("decision"), cid
+        assert s1[cid].get("secondary") == s2[cid].get("secondary"), cid
+
+
+def test_changes_are_the_planned_ones():
+    s1, s2 = load_predictions(STUDY1), load_predictions(STUDY2)
+    assert s2["C6"]["rows"]["budget"] == s2["C7"]["rows"]["budget"] == 0.25
+    assert s2["C4"]["rows"]["budget"] == 0.75
+    for cid in ("C1", "C2", "C3", "C4", "C5"):
+        assert s1[cid]["rows"] == s2[cid]["rows"], cid
+
+
+def test_seeds_disjoint_from_study1():
+    doc1, doc2 = yaml.safe_load(STUDY1.read_text()), yaml.safe_load(STUDY2.read_text())
+
+    def span(text: str) -> range:
+        lo, hi = (int(x) for x in text.split("-"))
+        return range(lo, hi + 1)
+
+    used = set(span(doc1["seeds"]["pilot"])) | set(span(doc1["seeds"]["confirmatory"]))
+    assert not used & set(span(doc2["seeds"]["confirmatory"]))
+    assert doc2["design"]["context_tokens"] == [1000, 2000, 4000]
+
+
+def test_locked_analysis_reads_the_study2_spec():
+    spec = copy.deepcopy(load_predictions(STUDY2)["C6"])
+    spec["n_boot"] = NB
+    ex = synthetic_examples(n=150, seed=3)
+    res = evaluate_claim("C6", ex, None, spec)
+    assert res.details["n_pos"] > 0 and res.details["n_neg"] > 0
+    assert res.verdict in ("supported", "refuted", "inconclusive")
