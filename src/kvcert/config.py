@@ -14,7 +14,8 @@ from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
 SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished")}  # change speed, not records: left out of folder hashes
-DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}}  # hashed only when not the default: old folders keep names
+# hashed only when not the default, so folders of earlier configs keep their names
+DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True}}
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
 
@@ -71,6 +72,7 @@ class DecodeConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     oracle: bool = True
     certificate: bool = True
+    tight_radius: bool = True  # tr(C^2) per cell for radius95_tight (off: NaN, a cheaper certificate)
     context_window: int = 32
     pool_kernel: int = 5
     one_batch: bool = True  # speed only (not hashed): both compression times decode as one batch

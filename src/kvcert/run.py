@@ -98,8 +98,8 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
     """The `decode` config group as the decoder's options."""
     d = cfg.decode
     return DecodeOptions(max_new_tokens=d.max_new_tokens, stop_strings=tuple(stop_strings), oracle=d.oracle,
-                         certificate=d.certificate, context_window=d.context_window, pool_kernel=d.pool_kernel,
-                         one_batch=d.one_batch, drop_finished=d.drop_finished)
+                         certificate=d.certificate, tight_radius=d.tight_radius, context_window=d.context_window,
+                         pool_kernel=d.pool_kernel, one_batch=d.one_batch, drop_finished=d.drop_finished)
 
 
 def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:

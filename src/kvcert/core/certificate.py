@@ -365,3 +365,76 @@ def certificate_trusted(ess_tail, tail_mass, n_tail):
     0.949 at level 0.95. A certificate outside it is reported as untrusted, never as a bound."""
     ratio = ess_tail / (n_tail + (n_tail == 0))
     return (ess_tail >= TRUSTED_ESS_MIN) & (tail_mass >= TRUSTED_TAIL_MASS_MIN) & (ratio >= TRUSTED_ESS_RATIO_MIN)
+
+
+def sketched_trace_c2_direct(
+    weights: torch.Tensor,
+    one_minus_pi: torch.Tensor,
+    vr: torch.Tensor,
+    output: torch.Tensor,
+    sketch: torch.Tensor,
+    trace_c: torch.Tensor,
+) -> torch.Tensor:
+    """The decode hot path's form of `sketched_trace_c2(method="ratio", debias="sketch")`: the same estimate from
+    V_tail R alone (vr (..., s, k), kept once per compression), with the k x k sketch C_S built directly,
+    C_S = (a * S)^T S, S_i = VR_i - o_hat R, a = (1 - pi) p^2, instead of from per-token features (which would cost
+    k(k+1)/2 + 3k + 3 floats per tail token to keep, or to rebuild every step). Per query head ~3 s k^2 flops."""
+    d, k = sketch.shape
+    s = vr.shape[-2]
+    omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)  # (..., 1, s)
+    a = omp * weights[..., :s].square()  # (..., T, s)
+    y = output @ sketch.to(output.dtype)  # (..., T, k)
+    big_s = vr.unsqueeze(-3) - y.unsqueeze(-2)  # (..., T, s, k)
+    c_s = (big_s * a.unsqueeze(-1)).transpose(-1, -2) @ big_s  # (..., T, k, k)
+    t2 = c_s.square().sum((-1, -2))
+    t1 = c_s.diagonal(dim1=-2, dim2=-1).sum(-1)
+    psi = t2 / t1.square().clamp_min(torch.finfo(t1.dtype).tiny)
+    x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
+    tc2_max = trace_c.square()
+    d4 = (omp * a.square() * big_s.square().sum(-1).square()).sum(-1)  # sum (1 - pi) a^2 ||S_i||^4
+    est = x * tc2_max - d4.clamp_min(0) / (k * (k + 2))
+    return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)
+
+
+# ------------------------------------------------------------------------------------------------ the hot path
+def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """(a) once per compression, for `trace_c2_from_features`: per tail token [VR_i VR_i^T (k^2) | VR_i | q_i VR_i |
+    q_i | q_i^2 | 1], q_i = ||VR_i||^2, VR = V_tail R: (..., s, k^2 + 2k + 3) floats (83 at k = 8)."""
+    vr = values_tail @ sketch.to(values_tail.dtype)
+    q = vr.square().sum(-1, keepdim=True)
+    outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)
+    return torch.cat([outer, vr, q * vr, q, q.square(), torch.ones_like(q)], -1)
+
+
+def trace_c2_from_features(
+    weights: torch.Tensor, one_minus_pi: torch.Tensor, features: torch.Tensor, output: torch.Tensor,
+    sketch: torch.Tensor, trace_c: torch.Tensor,
+) -> torch.Tensor:
+    """(b) per step: `sketched_trace_c2(method="ratio", debias="sketch")` with few kernel launches (the decode loop
+    calls it for every layer and bucket): every tail sum from one GEMM [a; (1 - pi) a^2] @ features, then k x k
+    algebra. C_S = P - u y^T - y u^T + A y y^T (P = sum a VR VR^T, u = sum a VR, A = sum a, y = o_hat R), and
+    sum b ||S_i||^4 expanded with ||S_i||^2 = q_i - 2 VR_i.y + ||y||^2."""
+    d, k = sketch.shape
+    s = features.shape[-2]
+    kk = k * k
+    omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)
+    a = omp * weights[..., :s].square()  # (..., T, s)
+    n_q = a.shape[-2]
+    sums = torch.cat([a, omp * a.square()], -2) @ features  # (..., 2T, F)
+    sa, sb = sums[..., :n_q, :], sums[..., n_q:, :]
+    y = output @ sketch.to(output.dtype)  # (..., T, k)
+    p_mat = sa[..., :kk].unflatten(-1, (k, k))
+    u = sa[..., kk : kk + k]
+    uy = u.unsqueeze(-1) * y.unsqueeze(-2)
+    c_s = p_mat - uy - uy.transpose(-1, -2) + sa[..., -1:, None] * (y.unsqueeze(-1) * y.unsqueeze(-2))
+    t2 = c_s.square().sum((-1, -2))
+    t1 = c_s.diagonal(dim1=-2, dim2=-1).sum(-1)
+    psi = t2 / t1.square().clamp_min(torch.finfo(t1.dtype).tiny)
+    x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
+    y2 = y.square().sum(-1)
+    quad = (sb[..., :kk].unflatten(-1, (k, k)) @ y.unsqueeze(-1)).squeeze(-1)  # (sum b VR VR^T) y
+    d4 = (sb[..., -2] - 4 * (sb[..., kk + k : kk + 2 * k] * y).sum(-1) + 4 * (quad * y).sum(-1)
+          + 2 * y2 * sb[..., -3] - 4 * y2 * (sb[..., kk : kk + k] * y).sum(-1) + y2.square() * sb[..., -1])
+    tc2_max = trace_c.square()
+    est = x * tc2_max - d4.clamp_min(0) / (k * (k + 2))
+    return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from kvcert.core.certificate import make_sketch, sketch_tail_from_vr, sketched_trace_c2, tail_diagnostics
+from kvcert.core.certificate import make_sketch, tail_diagnostics, tail_features, trace_c2_from_features
 from kvcert.core.hajek import hajek_attention
 
+CERTIFICATE_STATS = ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass")
 SKETCH_K = 8  # columns of the fixed Gaussian sketch behind tr(C^2) (core/certificate.py: cost and accuracy)
 SKETCH_SEED = 0  # drawn once per head_dim from this seed, so records are reproducible
 _SKETCHES: dict[tuple[int, str], torch.Tensor] = {}
@@ -195,9 +196,13 @@ class Bucket:
         self._oracle_kt, self._oracle_v = oracle_prefix if oracle_prefix is not None else ([], [])
         self.oracle_prefix = self._oracle_kt[0].shape[-1] if self._oracle_kt else 0
         self._tail = [(b.one_minus_pi > 0).float().unsqueeze(-1) for b in layers]  # 1.0 on real tail slots
-        # V_tail R once per compression (values are fixed then); the per-step tr(C^2) estimate reads only this
+        # a bucket of top-k / full-cache rows only has no certificate work at all (NaN statistics)
+        self.certified = bool(certificate_rows.any())
+        # V_tail R and its per-token features once per compression (values are fixed then): the per-step tr(C^2)
+        # estimate is then one GEMM over the tail (kvcert.core.certificate.trace_c2_from_features)
         self._sketch = value_sketch(layers[0].keys.shape[-1], layers[0].keys.device)
-        self._vr = [b.values[:, :, : b.tail_slots] @ self._sketch for b in layers]
+        self._features = [tail_features(b.values[:, :, : b.tail_slots], self._sketch) if self.certified else None
+                          for b in layers]
 
     @property
     def batch_size(self) -> int:
@@ -208,11 +213,14 @@ class Bucket:
         for layer, buf in enumerate(self.layers):
             buf.keep_rows(rows)
             self._tail[layer] = self._tail[layer].index_select(0, rows)
-            self._vr[layer] = self._vr[layer].index_select(0, rows)
+            if self._features[layer] is not None:
+                self._features[layer] = self._features[layer].index_select(0, rows)
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
+        self.certified = bool(self.certificate_rows.any())
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               window: int | None, *, stats: bool, certificate: bool) -> tuple[torch.Tensor, dict | None]:
+               window: int | None, *, stats: bool, certificate: bool,
+               trace_c2: bool = True) -> tuple[torch.Tensor, dict | None]:
         """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step)."""
         buf = self.layers[layer]
         if window != buf.window:
@@ -250,13 +258,13 @@ class Bucket:
         certify = stats and t == 1
         res = hajek_attention(
             q, keys, values, offset, scale=scale, mask=mask,
-            one_minus_pi=buf.one_minus_pi if certify and certificate else None,
+            one_minus_pi=buf.one_minus_pi if certify and certificate and self.certified else None,
             variance_slots=buf.tail_slots, value_sq_norms=buf.value_sq_norms,
         )
-        step = self._step_stats(layer, q, res, buf, scale, bsz, n_q) if certify else None
+        step = self._step_stats(layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2) if certify else None
         return res.output.reshape(bsz, n_q, t, d).to(query.dtype), step
 
-    def _step_stats(self, layer, q, res, buf, scale, bsz, n_q) -> dict[str, torch.Tensor]:
+    def _step_stats(self, layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2) -> dict[str, torch.Tensor]:
         p = res.weights  # (B, Hkv, group, L)
         out = res.output
         step = {"out_norm": out.norm(dim=-1).reshape(bsz, n_q), "p_max": p.amax(-1).reshape(bsz, n_q)}
@@ -267,10 +275,15 @@ class Bucket:
                 self.certificate_rows[:, None])
             step["variance"] = res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan"))
             diag = tail_diagnostics(p, buf.one_minus_pi, tail_slots=s, prefix=buf.prefix)
-            diag["trace_c2"] = sketched_trace_c2(p, buf.one_minus_pi, sketch_tail_from_vr(self._vr[layer]), out,
-                                                 self._sketch, res.variance) if s else torch.zeros_like(res.variance)
-            for name in ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass"):
+            diag["trace_c2"] = torch.zeros_like(res.variance) if trace_c2 else torch.full_like(res.variance, torch.nan)
+            if s and trace_c2:
+                diag["trace_c2"] = trace_c2_from_features(p, buf.one_minus_pi, self._features[layer], out,
+                                                          self._sketch, res.variance)
+            for name in CERTIFICATE_STATS:
                 step[name] = diag[name].reshape(bsz, n_q).masked_fill(undefined, float("nan"))
+        elif certificate:  # a bucket without certificate rows: undefined, never zero
+            nan = torch.full((bsz, n_q), float("nan"), device=q.device)
+            step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
         if self.has_oracle:
             exact = self._oracle(layer, q, buf, scale)
             step["error"] = (out - exact).norm(dim=-1).reshape(bsz, n_q)
@@ -307,6 +320,7 @@ class CompressedState:
     def __init__(self, buckets: list[Bucket]):
         self.buckets = buckets
         self.compute_certificate = True
+        self.compute_trace_c2 = True  # the tight radius' tr(C^2) (DecodeOptions.tight_radius)
         self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
         self.position = 0  # absolute position of the next token (set by forward_with_state)
 
@@ -342,7 +356,7 @@ class CompressedState:
             bucket.position = self.position
             rows = slice(start, start + n) if len(self.buckets) > 1 else slice(None)
             out, step = bucket.attend(layer, query[rows], key[rows], value[rows], scale, window, stats=want,
-                                      certificate=self.compute_certificate)
+                                      certificate=self.compute_certificate, trace_c2=self.compute_trace_c2)
             outs.append(out)
             steps.append(step)
             start += n

@@ -31,6 +31,7 @@ class DecodeOptions:
     certificate: bool = True
     context_window: int = 32  # window of the question-agnostic scorer (last context tokens)
     pool_kernel: int = 5
+    tight_radius: bool = True  # tr(C^2) for the tight radius (the costliest certificate statistic; README)
     one_batch: bool = True
     drop_finished: bool = True
 
@@ -111,6 +112,7 @@ def decode_batch(
     done = [False] * bsz
     steps: list[tuple[list[int], dict[str, np.ndarray]]] = []  # (rows in the batch, stats (L, B, Hq)) per step
     state.compute_certificate = options.certificate
+    state.compute_trace_c2 = options.tight_radius
     for step in range(options.max_new_tokens):
         for row in active:
             done[row] = done[row] or tokens[row][-1] in eos or stopped(tokens[row])

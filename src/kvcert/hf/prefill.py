@@ -137,7 +137,8 @@ class Prefill:
                 continue
             comps = {i: self._compress_one(policies[i], options.pool_kernel) for i in rows}
             region = n if when == "prompt" else qs
-            groups = _by_width(rows, comps) if options.one_batch else [rows]
+            certified = {i: policies[i].has_certificate for i in rows}
+            groups = _by_width(rows, comps, certified) if options.one_batch else [rows]
             rows = [i for g in groups for i in g]
             state = CompressedState([
                 _build_bucket([comps[i] for i in g], [policies[i] for i in g], self, region=region,
@@ -159,13 +160,15 @@ class Prefill:
         return CompressedBatch(model=self.model, policies=list(policies), parts=parts, start=n)
 
 
-def _by_width(rows: list[int], comps: dict[int, Compressed], ratio: float = 0.6) -> list[list[int]]:
-    """Rows sorted by kept width, widest first, cut into buckets whose narrowest row keeps at least `ratio` of the
-    widest one's tokens (padding inside a bucket stays under 1 / ratio)."""
+def _by_width(rows: list[int], comps: dict[int, Compressed], certified: dict[int, bool],
+              ratio: float = 0.6) -> list[list[int]]:
+    """Rows with and without a certificate apart (top-k and full-cache rows then cost no certificate work), each
+    sorted by kept width, widest first, and cut into buckets whose narrowest row keeps at least `ratio` of the widest
+    one's tokens (padding inside a bucket stays under 1 / ratio)."""
     width = {i: max(ix.shape[-1] for ix in comps[i].indices) for i in rows}
     groups: list[list[int]] = []
-    for i in sorted(rows, key=lambda r: -width[r]):
-        if groups and width[i] >= ratio * width[groups[-1][0]]:
+    for i in sorted(rows, key=lambda r: (not certified[r], -width[r])):
+        if groups and certified[i] == certified[groups[-1][0]] and width[i] >= ratio * width[groups[-1][0]]:
             groups[-1].append(i)
         else:
             groups.append([i])
