@@ -31,13 +31,15 @@ install: $(STAMP) ## create .venv and install kvcert with its test extras and pa
 
 test: $(STAMP) ## the full test suite (fast unit tests + slow tests on the packaged model)
 	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
 	$(PY) -m pytest -q
 
 test-fast: $(STAMP) ## unit tests only (no packaged model)
 	$(PY) -m pytest -q -m "not slow"
 
-lint: $(STAMP) ## ruff
+lint: $(STAMP) ## ruff check + ruff format --check
 	$(PY) -m ruff check src tests
+	$(PY) -m ruff format --check src tests
 
 smoke: $(STAMP) ## under 3 minutes: the claim pipeline on a tiny profile (-> results/smoke/) + a cell with every scorer
 	$(PY) -m kvcert.reproduce smoke

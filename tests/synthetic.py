@@ -13,18 +13,41 @@ from kvcert.analysis.claims import find_tbd, load_predictions
 ROOT = Path(__file__).resolve().parents[1]
 NB = 200  # bootstrap resamples in tests: enough for the checks, fast
 # the locked design parameters, as predictions.yaml states them (synthetic rows must match its row filters)
-DESIGN = {k: float(load_predictions(ROOT / "preregistration" / "predictions.yaml")["C1"]["rows"][k])
-          for k in ("tail_fraction", "floor", "score_power")}
+DESIGN = {
+    k: float(load_predictions(ROOT / "preregistration" / "predictions.yaml")["C1"]["rows"][k])
+    for k in ("tail_fraction", "floor", "score_power")
+}
 
 
 def row(**over) -> dict:
     """One examples row with every schema column; overrides replace defaults."""
     base = {
-        "run": "r0", "example_id": "e0", "task": "niah_single", "context_tokens": 1500, "depth": 0.5,
-        "variant": "v", "scorer": "window_question", "design": "randomized", "budget": 0.5, **DESIGN,
-        "seed": 0, "question_aware": True, "kept_tokens": 750.0, "answer": "a", "gold": "a", "score": 1.0,
-        "correct": True, "full_correct": True, "n_answer_tokens": 4, "logprob_mean": -0.5, "logprob_min": -1.0,
-        "has_certificate": True, "cert_score": 0.1, "rel_error_mean": 0.05, "covered95": 1.0, "steps95": 10,
+        "run": "r0",
+        "example_id": "e0",
+        "task": "niah_single",
+        "context_tokens": 1500,
+        "depth": 0.5,
+        "variant": "v",
+        "scorer": "window_question",
+        "design": "randomized",
+        "budget": 0.5,
+        **DESIGN,
+        "seed": 0,
+        "question_aware": True,
+        "kept_tokens": 750.0,
+        "answer": "a",
+        "gold": "a",
+        "score": 1.0,
+        "correct": True,
+        "full_correct": True,
+        "n_answer_tokens": 4,
+        "logprob_mean": -0.5,
+        "logprob_min": -1.0,
+        "has_certificate": True,
+        "cert_score": 0.1,
+        "rel_error_mean": 0.05,
+        "covered95": 1.0,
+        "steps95": 10,
         "steps_total": 10,
     }
     base.update(over)
@@ -37,9 +60,16 @@ def row(**over) -> dict:
     return base
 
 
-def synthetic_examples(n: int = 300, seed: int = 0, cert_signal: float = 3.0, conf_signal: float = 0.0,
-                       rand_penalty: float = 0.0, keep: dict | None = None,
-                       scorers=("window_question",), budgets=(0.25, 0.5, 0.75)) -> pd.DataFrame:
+def synthetic_examples(
+    n: int = 300,
+    seed: int = 0,
+    cert_signal: float = 3.0,
+    conf_signal: float = 0.0,
+    rand_penalty: float = 0.0,
+    keep: dict | None = None,
+    scorers=("window_question",),
+    budgets=(0.25, 0.5, 0.75),
+) -> pd.DataFrame:
     """Full cache correct w.p. 0.8; a policy at budget b stays correct iff u_example < keep[b] (u shared across
     designs and budgets, so larger budgets fix a nested set). The certificate is high on cache-induced failures
     by cert_signal standard deviations, the confidence (-logprob) by conf_signal."""
@@ -50,18 +80,34 @@ def synthetic_examples(n: int = 300, seed: int = 0, cert_signal: float = 3.0, co
         eid = f"e{i:04d}"
         full = bool(rng.random() < 0.8)
         u = rng.random()
-        rows.append(row(example_id=eid, scorer="none", design="full", budget=1.0, correct=full, full_correct=full,
-                        logprob_mean=-rng.random()))
+        rows.append(
+            row(
+                example_id=eid,
+                scorer="none",
+                design="full",
+                budget=1.0,
+                correct=full,
+                full_correct=full,
+                logprob_mean=-rng.random(),
+            )
+        )
         for scorer in scorers:
             for b in budgets:
                 for design in ("topk", "randomized"):
                     ok = full and u < keep[b] - (rand_penalty if design == "randomized" else 0.0)
                     induced = full and not ok
-                    rows.append(row(
-                        example_id=eid, scorer=scorer, design=design, budget=b, correct=ok, full_correct=full,
-                        cert_score=float(rng.normal() + cert_signal * induced),
-                        logprob_mean=float(-(rng.normal() + conf_signal * induced)),
-                    ))
+                    rows.append(
+                        row(
+                            example_id=eid,
+                            scorer=scorer,
+                            design=design,
+                            budget=b,
+                            correct=ok,
+                            full_correct=full,
+                            cert_score=float(rng.normal() + cert_signal * induced),
+                            logprob_mean=float(-(rng.normal() + conf_signal * induced)),
+                        )
+                    )
     return pd.DataFrame(rows)
 
 
@@ -74,9 +120,17 @@ def synthetic_steps(examples: pd.DataFrame, inflate: float = 1.0, cells: int = 3
     var = np.exp(rng.normal(size=n))
     err = inflate * np.sqrt(var) * np.abs(rng.normal(size=n))
     rep = ex.loc[ex.index.repeat(cells), ["run", "example_id", "variant"]].reset_index(drop=True)
-    return rep.assign(step=np.tile(np.arange(cells) // 6, len(ex)), layer=np.tile(np.arange(cells) % 6, len(ex)),
-                      head=0, error=err, variance=var, radius95=1.96 * np.sqrt(var), out_norm=1.0,
-                      tail_mass=rng.random(n) * 0.2, p_max=rng.random(n))
+    return rep.assign(
+        step=np.tile(np.arange(cells) // 6, len(ex)),
+        layer=np.tile(np.arange(cells) % 6, len(ex)),
+        head=0,
+        error=err,
+        variance=var,
+        radius95=1.96 * np.sqrt(var),
+        out_norm=1.0,
+        tail_mass=rng.random(n) * 0.2,
+        p_max=rng.random(n),
+    )
 
 
 def filled_spec(claim_id: str, budget: float = 0.5) -> dict:
@@ -86,8 +140,10 @@ def filled_spec(claim_id: str, budget: float = 0.5) -> dict:
 
     def fill(obj):
         if isinstance(obj, dict):
-            return {k: (DESIGN[k] if v == "TBD_PILOT" and k in DESIGN else budget if v == "TBD_PILOT" else fill(v))
-                    for k, v in obj.items()}
+            return {
+                k: (DESIGN[k] if v == "TBD_PILOT" and k in DESIGN else budget if v == "TBD_PILOT" else fill(v))
+                for k, v in obj.items()
+            }
         return obj
 
     spec = fill(spec)

@@ -9,6 +9,7 @@ from synthetic import NB, synthetic_examples
 
 # --- accuracy (C2, C3) -----------------------------------------------------------------------------------------
 
+
 def test_paired_accuracy_known_difference():
     ex = synthetic_examples(n=200, rand_penalty=0.0)
     same = accuracy.paired_accuracy_difference(ex, {"design": "randomized"}, {"design": "topk"}, n_boot=NB)

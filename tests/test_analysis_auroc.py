@@ -11,6 +11,7 @@ from synthetic import NB
 
 # --- AUROC (C4, C6) --------------------------------------------------------------------------------------------
 
+
 def test_auroc_perfect_hand_case_and_ties():
     assert auroc.auroc([1, 1, 0, 0], [0.9, 0.8, 0.2, 0.1]) == 1.0
     assert auroc.auroc([1, 1, 0, 0], [0.9, 0.4, 0.6, 0.1]) == pytest.approx(0.75)  # 3 of 4 pairs ordered

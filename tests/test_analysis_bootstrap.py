@@ -9,6 +9,7 @@ from synthetic import NB
 
 # --- bootstrap -------------------------------------------------------------------------------------------------
 
+
 def test_paired_difference_of_identical_columns_is_exactly_zero():
     x = np.random.default_rng(1).random(50)
     clusters = np.repeat(np.arange(10), 5)
@@ -30,8 +31,9 @@ def test_paired_difference_of_paired_units_uses_the_unit_differences():
     rng = np.random.default_rng(4)
     a, b = rng.random(40), rng.random(40)
     clusters = np.repeat(np.arange(20), 2)
-    res = bootstrap.paired_difference(bootstrap.weighted_mean(a), bootstrap.weighted_mean(b), clusters, NB, 1,
-                                      diff=bootstrap.weighted_mean(a - b))
+    res = bootstrap.paired_difference(
+        bootstrap.weighted_mean(a), bootstrap.weighted_mean(b), clusters, NB, 1, diff=bootstrap.weighted_mean(a - b)
+    )
     derived = bootstrap.paired_difference(bootstrap.weighted_mean(a), bootstrap.weighted_mean(b), clusters, NB, 1)
     assert res["diff"].estimate == bootstrap.weighted_mean(a - b)(np.ones(40))
     assert res["a"] == derived["a"] and res["b"] == derived["b"]

@@ -20,6 +20,7 @@ from synthetic import ROOT, filled_spec, synthetic_examples, synthetic_steps
 
 # --- claims ----------------------------------------------------------------------------------------------------
 
+
 def test_condition_rules():
     m = {"estimate": 1.0, "lo": 0.5, "hi": 1.5}
     assert condition_status(m, {"direction": ">", "threshold": 0.0}) == "met"
@@ -29,8 +30,12 @@ def test_condition_rules():
     assert condition_status(m, {"direction": ">", "threshold": 1.2, "refute_on": "point"}) == "failed"
     assert condition_status(m, {"direction": ">=", "threshold": 0.9, "support_on": "point"}) == "met"
     assert condition_status(m, {"direction": "<=", "threshold": 1.6}) == "met"
-    assert condition_status({"estimate": float("nan"), "lo": float("nan"), "hi": float("nan")},
-                            {"direction": ">", "threshold": 0}) == "undecided"
+    assert (
+        condition_status(
+            {"estimate": float("nan"), "lo": float("nan"), "hi": float("nan")}, {"direction": ">", "threshold": 0}
+        )
+        == "undecided"
+    )
 
 
 def test_predictions_have_every_claim_and_tbd_blocks_evaluation():
@@ -53,13 +58,16 @@ def good_bad():
     return good, bad
 
 
-@pytest.mark.parametrize("cid,expect_good,expect_bad", [
-    ("C2", "supported", "refuted"),
-    ("C4", "supported", "refuted"),
-    ("C5", "supported", "refuted"),
-    ("C6", "supported", "refuted"),
-    ("C7", "supported", "refuted"),
-])
+@pytest.mark.parametrize(
+    "cid,expect_good,expect_bad",
+    [
+        ("C2", "supported", "refuted"),
+        ("C4", "supported", "refuted"),
+        ("C5", "supported", "refuted"),
+        ("C6", "supported", "refuted"),
+        ("C7", "supported", "refuted"),
+    ],
+)
 def test_verdicts_flip_with_the_effect(good_bad, cid, expect_good, expect_bad):
     good, bad = good_bad
     spec = filled_spec(cid)
@@ -105,8 +113,13 @@ def test_c1_coverage_verdicts_and_details():
 def test_t1_verdicts():
     spec = load_predictions(ROOT / "preregistration" / "predictions.yaml")["T1"]
     lam = [0.0, 1.0, 2.0, 4.0]
-    good = {"lambda": lam, "true_error_deterministic": [0.1, 0.5, 1.0, 2.0], "estimate_deterministic": [0.05] * 4,
-            "mse_randomized": [0.01, 0.02, 0.04, 0.09], "mean_vhat_randomized": [0.0098, 0.021, 0.039, 0.092]}
+    good = {
+        "lambda": lam,
+        "true_error_deterministic": [0.1, 0.5, 1.0, 2.0],
+        "estimate_deterministic": [0.05] * 4,
+        "mse_randomized": [0.01, 0.02, 0.04, 0.09],
+        "mean_vhat_randomized": [0.0098, 0.021, 0.039, 0.092],
+    }
     res = evaluate_t1(good, spec)
     assert res.verdict == "supported" and res.agrees_with_paper is True
     bad = dict(good, mean_vhat_randomized=[0.0098, 0.01, 0.01, 0.01])
@@ -115,6 +128,7 @@ def test_t1_verdicts():
 
 
 # --- registry and results --------------------------------------------------------------------------------------
+
 
 def test_registry_reads_ids_from_predictions_and_finds_each_experiment():
     reg = registry()
@@ -136,8 +150,18 @@ def test_registry_refuses_a_claim_without_experiment(tmp_path):
 
 def test_claim_result_json_forms():
     missing = ClaimResult.not_evaluated("C3").as_dict()
-    assert list(missing) == ["id", "claim", "prediction", "observed", "ci", "verdict", "paper_verdict",
-                             "agrees_with_paper", "evaluated", "details"]
+    assert list(missing) == [
+        "id",
+        "claim",
+        "prediction",
+        "observed",
+        "ci",
+        "verdict",
+        "paper_verdict",
+        "agrees_with_paper",
+        "evaluated",
+        "details",
+    ]
     t1 = ClaimResult(id="T1", observed=1.0, details={"x": 1}).as_dict()
     assert list(t1)[-1] == "details" and "conditions" not in t1 and t1["n_examples"] is None
     full = ClaimResult(id="C2", conditions=[], secondary=[], metrics={}).as_dict()

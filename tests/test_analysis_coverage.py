@@ -11,13 +11,26 @@ from synthetic import NB, synthetic_examples, synthetic_steps
 
 # --- coverage (C1) ---------------------------------------------------------------------------------------------
 
+
 def test_coverage_of_exactly_0_9_by_construction():
     rows = []
     for i in range(40):
         n_bad = 2 if i % 2 else 0  # half the examples cover 8/10, half 10/10: pooled exactly 0.9
         for c in range(10):
-            rows.append({"run": "r", "example_id": f"e{i}", "variant": "v", "step": c, "layer": 0, "head": 0,
-                         "variance": 4.0, "error": 10.0 if c < n_bad else 1.0, "tail_mass": 0.01, "p_max": 0.2})
+            rows.append(
+                {
+                    "run": "r",
+                    "example_id": f"e{i}",
+                    "variant": "v",
+                    "step": c,
+                    "layer": 0,
+                    "head": 0,
+                    "variance": 4.0,
+                    "error": 10.0 if c < n_bad else 1.0,
+                    "tail_mass": 0.01,
+                    "p_max": 0.2,
+                }
+            )
     res = coverage.pooled_coverage(pd.DataFrame(rows), 0.95, NB, 0)
     assert res["coverage"] == pytest.approx(0.9)
     assert res["lo"] < 0.9 < res["hi"] and res["n_examples"] == 40

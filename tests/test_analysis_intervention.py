@@ -11,6 +11,7 @@ from synthetic import NB, row, synthetic_examples
 
 # --- gating (C5) -----------------------------------------------------------------------------------------------
 
+
 def _gating_units(n: int = 400) -> pd.DataFrame:
     """A quarter of the units are fixable (wrong at low, right at high); the certificate ranks exactly them first."""
     rows = []
@@ -44,6 +45,7 @@ def test_fractional_top_shares_ties():
 
 
 # --- recompute (C7) --------------------------------------------------------------------------------------------
+
 
 def test_oracle_recompute_reaches_full_cache_at_the_cache_induced_fraction():
     ex = synthetic_examples(n=200, budgets=(0.5,), keep={0.5: 0.75})

@@ -12,15 +12,26 @@ from synthetic import ROOT, filled_spec, synthetic_examples
 
 # --- scorecard and figures -------------------------------------------------------------------------------------
 
+
 def test_scorecard_strict_json_md_html_and_figures(tmp_path):
     good = synthetic_examples(n=300, cert_signal=3.0, conf_signal=0.0)
     results = {cid: evaluate_claim(cid, good, None, filled_spec(cid)) for cid in ("C2", "C4", "C5", "C6", "C7")}
-    t1 = {"lambda": [0, 1, 2], "true_error_deterministic": [0.1, 0.4, 0.8], "estimate_deterministic": [0.1] * 3,
-          "mse_randomized": [0.01, 0.02, 0.03], "mean_vhat_randomized": [0.01, 0.02, 0.03]}
+    t1 = {
+        "lambda": [0, 1, 2],
+        "true_error_deterministic": [0.1, 0.4, 0.8],
+        "estimate_deterministic": [0.1] * 3,
+        "mse_randomized": [0.01, 0.02, 0.03],
+        "mean_vhat_randomized": [0.01, 0.02, 0.03],
+    }
     results["T1"] = evaluate_t1(t1, load_predictions(ROOT / "preregistration" / "predictions.yaml")["T1"])
     results["C4"].metrics["auc_cert"]["lo"] = float("nan")  # NaN must become null
-    lock = {"status": "deviates", "changed": ["preregistration/predictions.yaml"], "missing": [], "added": [],
-            "deviations_recorded": False}
+    lock = {
+        "status": "deviates",
+        "changed": ["preregistration/predictions.yaml"],
+        "missing": [],
+        "added": [],
+        "deviations_recorded": False,
+    }
     card = scorecard.build_scorecard(list(results.values()), lock)
     assert [c["id"] for c in card["claims"]] == ["C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1"]
     assert card["claims"][0]["evaluated"] is False

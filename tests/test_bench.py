@@ -45,10 +45,22 @@ def test_model_shape_by_hand():
 
 
 def test_step_cost_by_hand():
-    s = ModelShape(layers=2, hidden=64, intermediate=128, q_heads=4, kv_heads=2, head_dim=16, vocab=128,
-                   weight_bytes=1000, embed_row_bytes=256, linear_params=81920)
-    loads = [VariantLoad(kept=100, appended=3, tail=60, generated=3),  # question-aware, randomized
-             VariantLoad(kept=50, appended=43, tail=0, generated=3)]  # question-agnostic top-k (read 40 question)
+    s = ModelShape(
+        layers=2,
+        hidden=64,
+        intermediate=128,
+        q_heads=4,
+        kv_heads=2,
+        head_dim=16,
+        vocab=128,
+        weight_bytes=1000,
+        embed_row_bytes=256,
+        linear_params=81920,
+    )
+    loads = [
+        VariantLoad(kept=100, appended=3, tail=60, generated=3),  # question-aware, randomized
+        VariantLoad(kept=50, appended=43, tail=0, generated=3),
+    ]  # question-agnostic top-k (read 40 question)
     plain = step_cost(s, loads, 200, certificate=False, oracle=False)
     # bytes: weights + 2 embedding rows; K, V (16 floats each) + offset per token, layer, KV head; logits
     kv = (103 + 93) * 2 * 2 * (2 * 16 + 1) * 4
@@ -97,8 +109,14 @@ def test_on_step_is_called_after_every_decode_forward():
     policies = policy_grid(3)  # window_question and streaming (question-aware), window_context (agnostic)
     calls = []
     with no_eos(model):
-        generate_variants(model, None, Prompt(input_ids=ids, question_start=qs, example_id="x"), policies,
-                          DecodeOptions(max_new_tokens=4), on_step=calls.append)
+        generate_variants(
+            model,
+            None,
+            Prompt(input_ids=ids, question_start=qs, example_id="x"),
+            policies,
+            DecodeOptions(max_new_tokens=4),
+            on_step=calls.append,
+        )
     loops = [list(range(4))] * calls.count(0)
     assert calls == [s for loop in loops for s in loop] and len(loops) in (1, 2)  # one batch, or aware + agnostic
     total, step, res = run_generate(model, ids, qs, policies, DecodeOptions(max_new_tokens=4), "cpu")
@@ -113,7 +131,11 @@ def test_before_after_options():
     before, after = before_after_options(opts)
     if {"one_batch", "drop_finished"} <= names:
         assert (before.one_batch, before.drop_finished, after.one_batch, after.drop_finished) == (
-            False, False, True, True)
+            False,
+            False,
+            True,
+            True,
+        )
     else:
         assert before is opts and after is None
 
@@ -180,8 +202,9 @@ def test_cluster_check_compare(tmp_path):
         if launcher == "c":
             ex.loc[0, "score"] = 0.9
         ex.to_parquet(f / "examples.parquet")
-        pd.DataFrame({"example_id": ["e0"], "variant": ["full"], "step": [0], "layer": [0], "head": [0],
-                      "error": [0.1]}).to_parquet(f / "steps.parquet")
+        pd.DataFrame(
+            {"example_id": ["e0"], "variant": ["full"], "step": [0], "layer": [0], "head": [0], "error": [0.1]}
+        ).to_parquet(f / "steps.parquet")
         folders[launcher] = [str(f)]
     ok, notes = compare(folders["a"], folders["b"])
     assert ok and all("identical" in n for n in notes)
@@ -206,15 +229,22 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
     for r in roof["rows"]:
         assert all(_positive(r[k]) for k in ("step_s", "bytes", "flops", "limit_s", "multiple"))
         assert r["limit_s"] == max(r["memory_s"], r["compute_s"])
-    assert data["roofline_headline"] == dict(data["roofline_headline"], variants=24, tokens=1024,
-                                             config="certificate+oracle")
+    assert data["roofline_headline"] == dict(
+        data["roofline_headline"], variants=24, tokens=1024, config="certificate+oracle"
+    )
     assert _positive(roof["machine"]["bandwidth"]["bandwidth_Bps"])
     assert data["examples"]["variants"] == 21 and _positive(data["examples"]["before"]["seconds_per_example"])
     assert len(data["memory"]) == 1 and data["memory"][0]["peak_delta_mb"] >= 0
     assert _positive(data["threads"]["num_threads_step_s"]["1"])
     md = (tmp_path / "bench_cpu.md").read_text()
-    for text in ("GPU figures were not measured", "certificate overhead", "## 6. End to end", "## 7. Roofline",
-                 "roofline multiple", "examples per hour"):
+    for text in (
+        "GPU figures were not measured",
+        "certificate overhead",
+        "## 6. End to end",
+        "## 7. Roofline",
+        "roofline multiple",
+        "examples per hour",
+    ):
         assert text in md, text
     assert "Hot-path" not in md
     assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "bench_roofline.png").stat().st_size > 0

@@ -151,8 +151,15 @@ def test_sketched_estimator_tracks_the_exact_one_and_its_radius_covers_alike():
     assert abs(cov_exact - cov_sketch) < 0.02
     assert abs(float((tight_radius(v, sk) / tight_radius(v, exact)).median()) - 1) < 0.03
     with pytest.raises(ValueError):
-        sketched_trace_c2(torch.ones(1, 1, 2), torch.ones(1, 2), torch.ones(1, 2, 3), torch.ones(1, 1, 4),
-                          torch.ones(4, 3), torch.ones(1, 1), method="nope")
+        sketched_trace_c2(
+            torch.ones(1, 1, 2),
+            torch.ones(1, 2),
+            torch.ones(1, 2, 3),
+            torch.ones(1, 1, 4),
+            torch.ones(4, 3),
+            torch.ones(1, 1),
+            method="nope",
+        )
 
 
 def test_tight_radius_is_calibrated_in_the_well_scored_regime():
@@ -215,8 +222,9 @@ def test_sketched_estimator_equals_the_direct_sketch_formula():
     assert torch.isclose(got, direct, rtol=1e-9)
     d_sketch = (omp[0, :s] * a**2 * sq.square().sum(-1).square()).sum() / (k * (k + 2))
     got_d = sketched_trace_c2(w, omp, tail, o, r, res.variance, method="moment", debias="sketch")[0, 0]
-    assert torch.isclose(got_d, (direct_unclamped := (t2 - k * v**2) / (k * (k + 1)) - d_sketch).clamp(
-        v**2 / 16, v**2), rtol=1e-9), direct_unclamped
+    assert torch.isclose(
+        got_d, (direct_unclamped := (t2 - k * v**2) / (k * (k + 1)) - d_sketch).clamp(v**2 / 16, v**2), rtol=1e-9
+    ), direct_unclamped
 
 
 def test_kvstate_layout_batches_like_single_rows():

@@ -32,8 +32,11 @@ def test_offset_softmax_equals_hajek_ratio_in_float64():
     w = (k[idx] @ q * scale).exp()
     expected = ((w / pi)[:, None] * v[idx]).sum(0) / (w / pi).sum()
     res = hajek_attention(
-        q[None, None], gather_tokens(k[None], sel.indices), gather_tokens(v[None], sel.indices),
-        sel.offset.double(), scale=scale,
+        q[None, None],
+        gather_tokens(k[None], sel.indices),
+        gather_tokens(v[None], sel.indices),
+        sel.offset.double(),
+        scale=scale,
     )
     assert (res.output[0, 0] - expected).abs().max() < 1e-12
 
@@ -50,7 +53,12 @@ def test_certificate_variance_matches_direct_sum():
     assert abs(float(res.variance[0, 0] - direct)) < 1e-12 * max(1.0, float(direct))
     # stopping the sum at tail_slots is exact
     res2 = hajek_attention(
-        q[None, None], kk, vv, sel.offset.double(), scale=0.25, one_minus_pi=sel.one_minus_pi.double(),
+        q[None, None],
+        kk,
+        vv,
+        sel.offset.double(),
+        scale=0.25,
+        one_minus_pi=sel.one_minus_pi.double(),
         variance_slots=sel.tail_slots,
     )
     assert torch.allclose(res2.variance, res.variance, rtol=1e-12, atol=1e-15)
@@ -62,8 +70,12 @@ def test_keep_all_reproduces_exact_attention(design):
     scores = torch.rand(1, 300, generator=g, dtype=torch.float64)
     sel = get_design(design)(scores, 300, generator=g)
     res = hajek_attention(
-        q[None, None], gather_tokens(k[None], sel.indices), gather_tokens(v[None], sel.indices), sel.offset.double(),
-        scale=0.3, one_minus_pi=sel.one_minus_pi.double(),
+        q[None, None],
+        gather_tokens(k[None], sel.indices),
+        gather_tokens(v[None], sel.indices),
+        sel.offset.double(),
+        scale=0.3,
+        one_minus_pi=sel.one_minus_pi.double(),
     )
     exact = exact_attention(q[None, None], k[None], v[None], scale=0.3)
     assert (res.output - exact).abs().max() < 1e-12
@@ -74,8 +86,12 @@ def test_head_tokens_add_nothing_to_the_variance():
     q, k, v, g = _problem()
     sel = get_design("topk")(torch.rand(1, 300, generator=g), 100)
     res = hajek_attention(
-        q[None, None], gather_tokens(k[None], sel.indices), gather_tokens(v[None], sel.indices), sel.offset.double(),
-        scale=0.3, one_minus_pi=sel.one_minus_pi.double(),
+        q[None, None],
+        gather_tokens(k[None], sel.indices),
+        gather_tokens(v[None], sel.indices),
+        sel.offset.double(),
+        scale=0.3,
+        one_minus_pi=sel.one_minus_pi.double(),
     )
     assert float(res.variance) == 0.0
 

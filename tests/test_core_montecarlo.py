@@ -42,8 +42,10 @@ def test_print_hard_regimes(capsys):
     ]:
         for budget in (0.25, 0.5):
             r = _run(7, budget, **problem)
-            rows.append(f"{name:50s} budget {budget:.2f}: coverage {r['coverage']:.3f}, "
-                        f"E[V_hat]/MSE {r['vhat_over_mse']:.3f}, MSE {r['mse']:.3g}")
+            rows.append(
+                f"{name:50s} budget {budget:.2f}: coverage {r['coverage']:.3f}, "
+                f"E[V_hat]/MSE {r['vhat_over_mse']:.3f}, MSE {r['mse']:.3g}"
+            )
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert len(rows) == 4
@@ -58,8 +60,13 @@ def test_failure_regimes_reproduce_the_study1_pattern():
         g = torch.Generator().manual_seed(1025)
         p = random_problem(n=1000, d=64, generator=g, **kw)
         r = monte_carlo(p, budget=0.25, tail_fraction=0.75, floor=0.2, draws=300, generator=g, moments=True)
-        out[name] = dict(cov=r["coverage"], ratio=r["vhat_over_mse"], tail=float(r["tail_mass"].median()),
-                         ess=float(r["ess_tail"].median()), design_effect=float((r["ess_tail"] / r["n_tail"]).median()))
+        out[name] = dict(
+            cov=r["coverage"],
+            ratio=r["vhat_over_mse"],
+            tail=float(r["tail_mass"].median()),
+            ess=float(r["ess_tail"].median()),
+            design_effect=float((r["ess_tail"] / r["n_tail"]).median()),
+        )
     well, mis, peak, both = (out[k] for k in FAILURE_REGIMES)
     assert abs(well["ratio"] - 1) < 0.1 and well["cov"] > 0.99 and well["design_effect"] > 0.3
     assert mis["ratio"] < 0.9 and mis["design_effect"] < 0.3

@@ -6,8 +6,18 @@ from kvcert.reproduce import compose_claim, t1_from_config
 
 
 def test_t1_deterministic_blind_randomized_tracks():
-    r = t1_demonstration(lambdas=[0, 1, 3, 10, 30], n=400, d=32, budget=0.5, peakedness=1.5, draws=600, seed=11,
-                         tail_fraction=0.75, floor=0.2, score_power=1.0)
+    r = t1_demonstration(
+        lambdas=[0, 1, 3, 10, 30],
+        n=400,
+        d=32,
+        budget=0.5,
+        peakedness=1.5,
+        draws=600,
+        seed=11,
+        tail_fraction=0.75,
+        floor=0.2,
+        score_power=1.0,
+    )
     assert all(r["retained_identical"])
     assert r["estimate_deterministic"] == [0.0] * len(r["lambda"])
     err = r["true_error_deterministic"]

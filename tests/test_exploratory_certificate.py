@@ -24,10 +24,17 @@ def _gaussian_steps(n=40000, seed=0):
     rng = np.random.default_rng(seed)
     h = rng.choice([1, 4, 16, 64], n)
     err = np.sqrt(rng.chisquare(h) / h)
-    return pd.DataFrame({
-        "error": err, "variance": 1.0, "trace_c2": 1.0 / h, "ess_tail": 1e9, "tail_mass": 0.5,
-        "example_id": rng.integers(0, 200, n), "layer": rng.integers(0, 3, n),
-    })
+    return pd.DataFrame(
+        {
+            "error": err,
+            "variance": 1.0,
+            "trace_c2": 1.0 / h,
+            "ess_tail": 1e9,
+            "tail_mass": 0.5,
+            "example_id": rng.integers(0, 200, n),
+            "layer": rng.integers(0, 3, n),
+        }
+    )
 
 
 def test_radii_reduce_to_each_other_at_their_limits():
@@ -73,8 +80,14 @@ def test_split_conformal_recovers_a_known_multiplier_per_layer():
     n = 30000
     layer = rng.integers(0, 2, n)
     c = np.where(layer == 0, 1.0, 2.5)  # error / (1.96 sqrt(V)) = c |N(0,1)| / 1.96 -> 0.95 quantile c
-    df = pd.DataFrame({"error": c * np.abs(rng.standard_normal(n)), "variance": 1.0, "layer": layer,
-                       "example_id": rng.integers(0, 300, n)})
+    df = pd.DataFrame(
+        {
+            "error": c * np.abs(rng.standard_normal(n)),
+            "variance": 1.0,
+            "layer": layer,
+            "example_id": rng.integers(0, 300, n),
+        }
+    )
     pooled = split_conformal(df, "conservative", n_boot=50)
     assert len(pooled) == 2 and set(pooled["fit_half"]) == {"A", "B"}
     for _, row in pooled.iterrows():
@@ -100,8 +113,9 @@ def test_conformal_quantile_and_multiplier_helpers():
 
 
 def test_strata_and_trusted_flag():
-    df = pd.DataFrame({"error": 0.1, "variance": 1.0, "tail_mass": [5e-4, 5e-3, 0.05, 0.5],
-                       "ess_tail": [1.0, 3.0, 12.0, 40.0]})
+    df = pd.DataFrame(
+        {"error": 0.1, "variance": 1.0, "tail_mass": [5e-4, 5e-3, 0.05, 0.5], "ess_tail": [1.0, 3.0, 12.0, 40.0]}
+    )
     s = add_strata(df)
     assert list(s["tail_mass_bin"].astype(str)) == ["<1e-3", "[1e-3,1e-2)", "[1e-2,0.1)", ">=0.1"]
     assert list(s["ess_bin"].astype(str)) == ["<2", "[2,5)", "[10,30)", ">=30"]
@@ -117,8 +131,9 @@ def test_plot_calibration_writes_a_png(tmp_path):
 
 
 def test_ess_ratio_flag_and_bins():
-    df = pd.DataFrame({"error": 0.1, "variance": 1.0, "tail_mass": 0.5, "ess_tail": [15.0, 15.0, 3.0],
-                       "n_tail": [30, 300, 0]})
+    df = pd.DataFrame(
+        {"error": 0.1, "variance": 1.0, "tail_mass": 0.5, "ess_tail": [15.0, 15.0, 3.0], "n_tail": [30, 300, 0]}
+    )
     assert list(certificate_trusted(df, ess_ratio_min=0.3)) == [True, False, False]
     bins = add_strata(df)["ess_ratio_bin"]
     assert list(bins[:2].astype(str)) == [">=0.3", "[0.05,0.1)"] and pd.isna(bins[2])

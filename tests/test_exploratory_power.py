@@ -88,12 +88,14 @@ def test_c2_and_c3_estimates_equal_the_locked_analysis():
     ex = synthetic_examples(n=120, seed=4, rand_penalty=0.1)
     c2 = P.c2_units_sd(ex, c2_scorers=("window_question",))
     locked = accuracy.paired_accuracy_difference(
-        ex, {**P.LOCKED, "design": "randomized"}, {"design": "topk"}, ["scorer", "budget"], n_boot=NB, seed=0)
+        ex, {**P.LOCKED, "design": "randomized"}, {"design": "topk"}, ["scorer", "budget"], n_boot=NB, seed=0
+    )
     assert c2["estimate"] == pytest.approx(locked["diff"]["estimate"])
     assert (locked["diff"]["hi"] - locked["diff"]["lo"]) / 2 == pytest.approx(P.half_width(c2["sd"], 120), rel=0.25)
     c3 = P.c3_drop_sd(ex)
-    ref = accuracy.drop_vs_full(accuracy.select_rows(
-        ex, {"scorer": "window_question", "design": "topk", "budget": [0.25, 0.5]}), n_boot=NB)
+    ref = accuracy.drop_vs_full(
+        accuracy.select_rows(ex, {"scorer": "window_question", "design": "topk", "budget": [0.25, 0.5]}), n_boot=NB
+    )
     assert c3["estimate"] == pytest.approx(ref["drop"]["estimate"])
 
 
@@ -113,8 +115,7 @@ def test_c1_sd_matches_the_locked_pooled_coverage():
 def test_attribution_and_escalation_read_the_locked_functions():
     ex = synthetic_examples(n=150, seed=6)
     att = P.attribution_at(ex, 0.5, n_boot=NB)
-    sel = accuracy.select_rows(ex, {**P.LOCKED, "design": "randomized", "scorer": "window_question",
-                                    "budget": 0.5})
+    sel = accuracy.select_rows(ex, {**P.LOCKED, "design": "randomized", "scorer": "window_question", "budget": 0.5})
     ref = auroc.failure_attribution(sel, n_boot=NB, seed=20260101)
     assert att["c6_auc_diff"]["estimate"] == pytest.approx(ref["diff"]["estimate"])
     assert att["cache_induced"] == ref["n_pos"] and att["inherent"] == ref["n_neg"]
@@ -140,8 +141,9 @@ def test_power_table_runs_on_synthetic_records():
     ex = synthetic_examples(n=150, seed=8, scorers=P.SCORERS_C2)
     ex = ex.assign(context_tokens=np.where(ex["example_id"].str[-1].astype(int) % 2 == 0, 1000, 2000))
     st = synthetic_steps(ex, cells=6)
-    table, info = P.power_table(ex, st, attribution_budget=0.5, c4_budget=0.75, escalation=(0.5, 0.75),
-                                n_proposed=300, n_boot=NB)
+    table, info = P.power_table(
+        ex, st, attribution_budget=0.5, c4_budget=0.75, escalation=(0.5, 0.75), n_proposed=300, n_boot=NB
+    )
     assert set(table["claim"]) >= {"C1", "C2", "C3", "C4", "C5", "C6", "C7"}
     assert (table["n_needed"] >= 1).all()
     c2 = table.set_index("claim").loc["C2"]

@@ -259,9 +259,10 @@ def test_plain_render_boundary_is_exact(smol_tokenizer, examples) -> None:
             _check_plain_boundary(tok, ex, r, _bos(tok))
             chat = render(ex, tok)  # auto with a chat template: unchanged
             assert chat == render(ex, tok, "chat") and chat.input_ids != r.input_ids
-            assert chat.input_ids[chat.question_start - 5 : chat.question_start] == r.input_ids[
-                r.question_start - 5 : r.question_start
-            ]
+            assert (
+                chat.input_ids[chat.question_start - 5 : chat.question_start]
+                == r.input_ids[r.question_start - 5 : r.question_start]
+            )
 
 
 def _bos(tok) -> list[int]:
@@ -325,7 +326,8 @@ def test_packaged_gemma3_loads_and_answers(gemma3) -> None:
     assert tok.decode(out[0, ids.shape[1] :]).strip().startswith("4821"), tok.decode(out[0, ids.shape[1] :])
     runner_model, _ = load_model("gemma3-270m")  # the runner's call: accepted, kvcert handles its hybrid layers
     assert [getattr(layer.self_attn, "sliding_window", None) for layer in runner_model.model.layers] == (
-        [512] * 5 + [None]) * 3
+        [512] * 5 + [None]
+    ) * 3
 
 
 @pytest.mark.slow
@@ -369,8 +371,11 @@ def test_keep_all_on_the_packaged_gemma3_reproduces_transformers(gemma3) -> None
     assert len(r.input_ids) > 600
     steps = 5
     ref_tokens, ref_lp = hf_greedy(model, r.input_ids, steps)
-    policies = [FULL] + [Policy(scorer=s, design=d, budget=1.0) for s in ("window_question", "window_context")
-                         for d in ("topk", "randomized", "uniform")]
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=1.0)
+        for s in ("window_question", "window_context")
+        for d in ("topk", "randomized", "uniform")
+    ]
     for res in generate_variants(model, tok, r, policies, DecodeOptions(max_new_tokens=steps)):
         assert res.tokens == ref_tokens, res.policy.label
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-4, res.policy.label

@@ -33,8 +33,11 @@ def _records() -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def _expected_files() -> list[str]:
-    return sorted(p.relative_to(EXPECTED).as_posix() for p in EXPECTED.rglob("*")
-                  if p.is_file() and p.name not in ("figures.txt", "pilot_summary.csv"))
+    return sorted(
+        p.relative_to(EXPECTED).as_posix()
+        for p in EXPECTED.rglob("*")
+        if p.is_file() and p.name not in ("figures.txt", "pilot_summary.csv")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,15 @@ def analyzed(tmp_path_factory) -> Path:
     predictions = load_predictions(ROOT / "preregistration" / "predictions.yaml")
     lock = json.loads((GOLDEN / "lock_status.json").read_text())
     t1 = json.loads((GOLDEN / "t1.json").read_text())
-    analyze_records({cid: records for cid in CLAIM_IDS}, t1, predictions, out, lock, profile="golden",
-                    runs=[RUN.relative_to(ROOT).as_posix()])
+    analyze_records(
+        {cid: records for cid in CLAIM_IDS},
+        t1,
+        predictions,
+        out,
+        lock,
+        profile="golden",
+        runs=[RUN.relative_to(ROOT).as_posix()],
+    )
     return out
 
 

@@ -21,9 +21,12 @@ class _CharTokenizer:
 
 
 def _variants(model, tokenizer, prompt, one_batch, drop_finished, stops=(), steps=8):
-    policies = [FULL] + [Policy(scorer=s, design=d, budget=b, seed=1) for s in
-                         ("window_question", "window_context", "streaming", "key_norm")
-                         for d in ("topk", "randomized") for b in (0.3, 0.6)]
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=b, seed=1)
+        for s in ("window_question", "window_context", "streaming", "key_norm")
+        for d in ("topk", "randomized")
+        for b in (0.3, 0.6)
+    ]
     policies.append(Policy(scorer="streaming", design="randomized", budget=0.5, compress_after="context"))
     opts = DecodeOptions(max_new_tokens=steps, stop_strings=stops, one_batch=one_batch, drop_finished=drop_finished)
     return generate_variants(model, tokenizer, prompt, policies, opts)
@@ -58,8 +61,9 @@ def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
     tok = _CharTokenizer()
     ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
     prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
-    policies = [FULL] + [Policy(scorer="streaming", design="topk", budget=b, compress_after="context")
-                         for b in (0.1, 0.2, 0.4)]
+    policies = [FULL] + [
+        Policy(scorer="streaming", design="topk", budget=b, compress_after="context") for b in (0.1, 0.2, 0.4)
+    ]
     first = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=1))
     assert first[0].tokens[0] not in {r.tokens[0] for r in first[1:]}, "pick another seed: a row must go on"
     batch_sizes = []
@@ -75,8 +79,9 @@ def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
     assert res[0].n_answer == 0 and res[0].answer == ""
     assert batch_sizes and max(batch_sizes) < len(policies)  # the full-cache row never took a decode step
     monkeypatch.setattr(decode, "forward_with_state", forward)
-    legacy = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=4, stop_strings=(stop,),
-                                                                           drop_finished=False))
+    legacy = generate_variants(
+        model, tok, prompt, policies, DecodeOptions(max_new_tokens=4, stop_strings=(stop,), drop_finished=False)
+    )
     assert [r.answer for r in res] == [r.answer for r in legacy]
 
 

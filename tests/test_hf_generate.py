@@ -26,8 +26,11 @@ def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
     model, _ = tiny_random_model(arch)
     ids = _prompt()
     ref_tokens, ref_lp = hf_greedy(model, ids.input_ids, STEPS)
-    policies = [FULL] + [Policy(scorer=s, design=d, budget=1.0) for s in ["window_question", "window_context",
-                                                                         "streaming"] for d in DESIGNS]
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=1.0)
+        for s in ["window_question", "window_context", "streaming"]
+        for d in DESIGNS
+    ]
     results = generate_variants(model, None, ids, policies, DecodeOptions(max_new_tokens=STEPS))
     for r in results:
         assert r.tokens == ref_tokens, r.policy.label
@@ -43,8 +46,11 @@ def _kept_cache(model, ids, policy):
     comp = prefill._compress_one(policy, pool_kernel=5)
     cache = DynamicCache(config=model.config)
     for layer, idx in enumerate(comp.indices):
-        cache.update(gather_tokens(prefill.full_keys[layer][0], idx)[None],
-                     gather_tokens(prefill.full_values[layer][0], idx)[None], layer)
+        cache.update(
+            gather_tokens(prefill.full_keys[layer][0], idx)[None],
+            gather_tokens(prefill.full_values[layer][0], idx)[None],
+            layer,
+        )
     return cache
 
 
@@ -72,8 +78,12 @@ def test_compressed_cache_keeps_original_positions():
 def test_batched_variants_equal_each_variant_alone():
     model, _ = tiny_random_model("qwen2")
     ids = _prompt(2)
-    policies = [FULL] + [Policy(scorer=s, design=d, budget=b, seed=3) for s in SCORERS for d in ["topk", "randomized"]
-                         for b in (0.3, 0.6)]
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=b, seed=3)
+        for s in SCORERS
+        for d in ["topk", "randomized"]
+        for b in (0.3, 0.6)
+    ]
     together = generate_variants(model, None, ids, policies, DecodeOptions(max_new_tokens=5))
     for p, r in zip(policies, together):
         alone = generate_variants(model, None, ids, [p], DecodeOptions(max_new_tokens=5))[0]
@@ -81,8 +91,9 @@ def test_batched_variants_equal_each_variant_alone():
         assert max(abs(a - b) for a, b in zip(alone.logprobs, r.logprobs)) < 1e-5
         assert alone.kept_tokens == r.kept_tokens
         for name, arr in r.stats.items():
-            assert torch.allclose(torch.from_numpy(arr), torch.from_numpy(alone.stats[name]), atol=1e-5,
-                                  equal_nan=True), (p.label, name)
+            assert torch.allclose(
+                torch.from_numpy(arr), torch.from_numpy(alone.stats[name]), atol=1e-5, equal_nan=True
+            ), (p.label, name)
 
 
 def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
@@ -95,9 +106,14 @@ def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
         out, step = original(self, layer, query, key, value, scale, window, **kwargs)
         if layer == 0 and query.shape[-2] == 1 and "q" not in seen:
             buf = self.layers[0]
-            seen.update(q=query.clone(), out=out.clone(), keys=buf.keys[:, :, : buf.length].clone(),
-                        values=buf.values[:, :, : buf.length].clone(), offset=buf.offset[:, :, : buf.length].clone(),
-                        oracle_k=self._oracle_kt[0].transpose(-1, -2)[None].clone())
+            seen.update(
+                q=query.clone(),
+                out=out.clone(),
+                keys=buf.keys[:, :, : buf.length].clone(),
+                values=buf.values[:, :, : buf.length].clone(),
+                offset=buf.offset[:, :, : buf.length].clone(),
+                oracle_k=self._oracle_kt[0].transpose(-1, -2)[None].clone(),
+            )
         return out, step
 
     monkeypatch.setattr(Bucket, "attend", spy)

@@ -16,10 +16,18 @@ N, QS, STEPS, WINDOW = 96, 70, 6, 24
 
 def tiny_gemma3(seed=0):
     cfg = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512, rope_parameters=None,
+        max_position_embeddings=512,
+        rope_parameters=None,
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -37,10 +45,12 @@ def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch):
     model = tiny_gemma3()
     prompt = _prompt()
     ref_tokens, ref_lp = hf_greedy(model, prompt.input_ids, STEPS)
-    policies = [FULL] + [Policy(scorer=s, design=d, budget=1.0) for s in ("window_question", "window_context")
-                         for d in ("topk", "randomized", "uniform")]
-    for r in generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=STEPS,
-                                                                            one_batch=one_batch)):
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=1.0)
+        for s in ("window_question", "window_context")
+        for d in ("topk", "randomized", "uniform")
+    ]
+    for r in generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=STEPS, one_batch=one_batch)):
         assert r.tokens == ref_tokens, r.policy.label
         assert max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5, r.policy.label
         assert np.nanmax(r.stats["error"]) < 1e-5  # the oracle applies each layer's window too
@@ -70,8 +80,16 @@ def test_records_summarise_the_compressed_layers_only():
     prompt = _prompt(2)
     policy = Policy(scorer="window_question", design="randomized", budget=0.5, seed=2)
     results = generate_variants(model, None, prompt, [FULL, policy], DecodeOptions(max_new_tokens=3))
-    ex = Example(id="g", task="single_needle", context="", question="", answers=("x",), depth=0.5,
-                 metric="ruler_all", target_tokens=N)
+    ex = Example(
+        id="g",
+        task="single_needle",
+        context="",
+        question="",
+        answers=("x",),
+        depth=0.5,
+        metric="ruler_all",
+        target_tokens=N,
+    )
     row = example_frame("run", ex, N, results).iloc[1]
     assert row.uncompressed_layers == "0,2" and not row.nonfinite
     assert row.steps_total == results[1].n_answer * 2 * 2  # compressed layers x query heads

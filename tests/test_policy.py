@@ -35,8 +35,16 @@ def test_label_names_only_what_differs_from_the_scorers_default():
         ({"scorer": "streaming", "design": "randomized", "budget": 0.5, "score_power": 0}, "score_power"),
         ({"scorer": "window_question", "design": "topk", "budget": 0.5, "compress_after": "context"}, "reads the q"),
         ({"scorer": "window_context", "design": "topk", "budget": 0.5, "compress_after": "prompt"}, "last context"),
-        ({"scorer": "key_norm", "design": "topk", "budget": 0.5, "compress_after": "context",
-          "protect_question": True}, "protect_question applies"),
+        (
+            {
+                "scorer": "key_norm",
+                "design": "topk",
+                "budget": 0.5,
+                "compress_after": "context",
+                "protect_question": True,
+            },
+            "protect_question applies",
+        ),
         ({"scorer": "none", "design": "topk", "budget": 1.0}, "full-cache reference"),
     ],
 )
@@ -52,15 +60,22 @@ def test_policy_is_keyword_only():
 
 
 def test_registries_carry_metadata():
-    assert {n for n, s in DESIGN_SPECS.items() if s.has_certificate} == {"randomized", "randomized_no_offset",
-                                                                          "uniform"}
+    assert {n for n, s in DESIGN_SPECS.items() if s.has_certificate} == {
+        "randomized",
+        "randomized_no_offset",
+        "uniform",
+    }
     assert not DESIGN_SPECS["randomized_no_offset"].offset and DESIGN_SPECS["randomized"].offset
-    assert {n: s.window for n, s in SCORERS.items() if s.window} == {"window_question": "question",
-                                                                     "window_context": "context"}
+    assert {n: s.window for n, s in SCORERS.items() if s.window} == {
+        "window_question": "question",
+        "window_context": "context",
+    }
 
 
 def test_generator_seed_differs_per_example_and_seed():
-    p, q = Policy(scorer="random", design="topk", budget=0.5), Policy(scorer="random", design="topk", budget=0.5,
-                                                                    seed=1)
+    p, q = (
+        Policy(scorer="random", design="topk", budget=0.5),
+        Policy(scorer="random", design="topk", budget=0.5, seed=1),
+    )
     assert p.generator_seed("a") != p.generator_seed("b") != q.generator_seed("b")
     assert p.generator_seed("a") == Policy(scorer="random", design="topk", budget=0.5).generator_seed("a")

@@ -36,8 +36,12 @@ def tree(tmp_path: Path) -> Path:
 def test_lock_covers_the_pre_registered_files_only(tree):
     record = prereg.lock(tree)
     assert sorted(record["files"]) == [
-        "conf/claim/c1.yaml", "conf/claim/c2.yaml", "preregistration/PREREGISTRATION.md",
-        "preregistration/predictions.yaml", "src/kvcert/analysis/claims.py", "src/kvcert/analysis/coverage.py",
+        "conf/claim/c1.yaml",
+        "conf/claim/c2.yaml",
+        "preregistration/PREREGISTRATION.md",
+        "preregistration/predictions.yaml",
+        "src/kvcert/analysis/claims.py",
+        "src/kvcert/analysis/coverage.py",
     ]
     on_disk = json.loads((tree / prereg.LOCK_PATH).read_text())
     assert on_disk["files"] == record["files"] and "created" in on_disk and "git_commit" in on_disk
@@ -79,8 +83,12 @@ def test_unlocked_tree(tree):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvcert.prereg", *args], capture_output=True, text=True,
-                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    return subprocess.run(
+        [sys.executable, "-m", "kvcert.prereg", *args],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"},
+    )
 
 
 def test_cli_exit_codes(tree):

@@ -12,17 +12,36 @@ from kvcert.tasks.ruler import Example
 
 
 def _example():
-    return Example(id="ex1", task="single_needle", context="c", question="q", answers=("42",), depth=0.5,
-                   metric="ruler_all", target_tokens=100)
+    return Example(
+        id="ex1",
+        task="single_needle",
+        context="c",
+        question="q",
+        answers=("42",),
+        depth=0.5,
+        metric="ruler_all",
+        target_tokens=100,
+    )
 
 
 def _result(policy, answer, steps=2, layers=3, heads=4, var=0.01):
     shape = (steps, layers, heads)
-    stats = {"error": np.full(shape, 0.05, np.float32), "out_norm": np.ones(shape, np.float32),
-             "tail_mass": np.full(shape, 0.1, np.float32), "p_max": np.full(shape, 0.2, np.float32),
-             "variance": np.full(shape, var if policy.has_certificate else np.nan, np.float32)}
-    return VariantResult(policy=policy, tokens=[1] * steps, logprobs=[-0.5] * steps, n_answer=steps, answer=answer,
-                         kept_tokens=10.0, stats=stats)
+    stats = {
+        "error": np.full(shape, 0.05, np.float32),
+        "out_norm": np.ones(shape, np.float32),
+        "tail_mass": np.full(shape, 0.1, np.float32),
+        "p_max": np.full(shape, 0.2, np.float32),
+        "variance": np.full(shape, var if policy.has_certificate else np.nan, np.float32),
+    }
+    return VariantResult(
+        policy=policy,
+        tokens=[1] * steps,
+        logprobs=[-0.5] * steps,
+        n_answer=steps,
+        answer=answer,
+        kept_tokens=10.0,
+        stats=stats,
+    )
 
 
 def test_example_frame_scores_and_sets_full_correct_from_the_full_variant():
@@ -69,10 +88,14 @@ def test_step_rows_carry_the_tight_radius_and_the_regime_flag(tiny_smol):
 
     model, _ = tiny_smol
     ids = torch.randint(100, 5000, (160,), generator=torch.Generator().manual_seed(3)).tolist()
-    pols = [FULL, Policy(scorer="window_question", design="randomized", budget=0.4, seed=1),
-            Policy(scorer="streaming", design="topk", budget=0.4)]
-    res = generate_variants(model, None, Prompt(input_ids=ids, question_start=130, example_id="t"), pols,
-                            DecodeOptions(max_new_tokens=4))
+    pols = [
+        FULL,
+        Policy(scorer="window_question", design="randomized", budget=0.4, seed=1),
+        Policy(scorer="streaming", design="topk", budget=0.4),
+    ]
+    res = generate_variants(
+        model, None, Prompt(input_ids=ids, question_start=130, example_id="t"), pols, DecodeOptions(max_new_tokens=4)
+    )
     df = step_frame("run", "t", res)
     rand = df[df.variant == pols[1].label]
     ratio = rand.radius95_tight / rand.radius95

@@ -18,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_cli_bad_config_and_missing_model_fail_in_one_line(tmp_path):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "kvcert.run", f"results_dir={tmp_path}", *args],
-                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "kvcert.run", f"results_dir={tmp_path}", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
 
     bad = run("budget=2.0")
     assert bad.returncode == 2
@@ -32,10 +37,16 @@ def test_cli_bad_config_and_missing_model_fail_in_one_line(tmp_path):
     assert not any(tmp_path.iterdir())  # nothing written for a run that could not start
 
 
-TINY = ["task.tasks=[single_needle,fact_qa]", "task.n_examples=2", "task.context_tokens=[160]",
-        "budget=0.5", "decode.max_new_tokens=4", "threads=1",
-        "policy.grid=[{scorer: window_question, designs: [topk, randomized, randomized_no_offset, uniform]},"
-        "{scorer: window_context, designs: [randomized]}, {scorer: streaming, designs: [topk]}]"]
+TINY = [
+    "task.tasks=[single_needle,fact_qa]",
+    "task.n_examples=2",
+    "task.context_tokens=[160]",
+    "budget=0.5",
+    "decode.max_new_tokens=4",
+    "threads=1",
+    "policy.grid=[{scorer: window_question, designs: [topk, randomized, randomized_no_offset, uniform]},"
+    "{scorer: window_context, designs: [randomized]}, {scorer: streaming, designs: [topk]}]",
+]
 
 
 def _cell(tmp_path, tiny_smol, extra=(), after_shard=None):

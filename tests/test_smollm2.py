@@ -36,8 +36,9 @@ def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
     model, tok = smollm2
     ex, r = _needle(tok, 400)
     steps = 6
-    policies = [FULL] + [Policy(scorer="window_question", design=d, budget=1.0) for d in ["topk", "randomized",
-                                                                                          "uniform"]]
+    policies = [FULL] + [
+        Policy(scorer="window_question", design=d, budget=1.0) for d in ["topk", "randomized", "uniform"]
+    ]
     ours = generate_variants(model, tok, r, policies, DecodeOptions(max_new_tokens=steps))
     ref_tokens, ref_lp = hf_greedy(model, r.input_ids, steps)
     for res in ours:
@@ -48,8 +49,13 @@ def test_keep_all_reproduces_plain_transformers_decoding(smollm2):
 def test_eviction_on_the_real_model_has_real_error_and_a_certificate(smollm2):
     model, tok = smollm2
     ex, r = _needle(tok, 600)
-    res = generate_variants(model, tok, r, [Policy(scorer="window_question", design="randomized", budget=0.25, seed=1)],
-                            DecodeOptions(max_new_tokens=6))[0]
+    res = generate_variants(
+        model,
+        tok,
+        r,
+        [Policy(scorer="window_question", design="randomized", budget=0.25, seed=1)],
+        DecodeOptions(max_new_tokens=6),
+    )[0]
     err, var = res.stats["error"], res.stats["variance"]
     assert err.shape[1:] == (30, 9) and var.shape == err.shape
     assert (err > 0).mean() > 0.9 and (var > 0).mean() > 0.9  # a real, estimable error

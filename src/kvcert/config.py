@@ -157,8 +157,9 @@ def policies(cfg: DictConfig) -> list[Policy]:
         for design in entry.designs:
             for b in entry.budgets if entry.get("budgets") is not None else budget_list(cfg):
                 try:
-                    out.append(Policy(scorer=entry.scorer, design=design, budget=float(b), seed=cfg.seed,
-                                      **params, **when))
+                    out.append(
+                        Policy(scorer=entry.scorer, design=design, budget=float(b), seed=cfg.seed, **params, **when)
+                    )
                 except ValueError as err:  # name the config key the offending value came from
                     field = str(err).split()[0]
                     if field in params:
@@ -181,8 +182,9 @@ def result_name(cfg: DictConfig) -> str:
     """Folder name from the config: readable parts + a hash of everything that changes the records."""
     if cfg.name:
         return str(cfg.name)
-    content = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-               for k in RESULT_KEYS}
+    content = {
+        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in RESULT_KEYS
+    }
     for group, keys in SPEED_ONLY_KEYS.items():
         for k in keys:
             content[group].pop(k, None)

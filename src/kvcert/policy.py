@@ -72,8 +72,10 @@ class Policy:
         if window == "context" and self.compress_after != "context":
             raise ValueError(f"{self.scorer} reads the last context tokens: it needs compress_after=context")
         if self.compress_after == "context" and self.protect_question:
-            raise ValueError("protect_question applies to compress_after=prompt (after the context the question "
-                             "is not in the cache yet)")
+            raise ValueError(
+                "protect_question applies to compress_after=prompt (after the context the question "
+                "is not in the cache yet)"
+            )
 
     @property
     def is_full(self) -> bool:

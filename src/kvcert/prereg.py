@@ -80,8 +80,14 @@ def verify(root: str | Path) -> dict:
     root = Path(root)
     target = root / LOCK_PATH
     if not target.is_file():
-        return {"status": "unlocked", "changed": [], "missing": [], "added": [], "deviations_recorded": False,
-                "unrecorded": []}
+        return {
+            "status": "unlocked",
+            "changed": [],
+            "missing": [],
+            "added": [],
+            "deviations_recorded": False,
+            "unrecorded": [],
+        }
     locked = json.loads(target.read_text())["files"]
     present = set(locked_files(root))
     missing = sorted(p for p in locked if not (root / p).is_file())
@@ -112,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["lock", "verify"])
     parser.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     parser.add_argument("--force", action="store_true", help="lock: overwrite an existing LOCK.json")
-    parser.add_argument("--allow-deviations", action="store_true",
-                        help="verify: warn instead of failing; the scorecard marks the run as deviating")
+    parser.add_argument(
+        "--allow-deviations",
+        action="store_true",
+        help="verify: warn instead of failing; the scorecard marks the run as deviating",
+    )
     args = parser.parse_args(argv)
     root = args.root or _find_root(Path.cwd())
 
@@ -134,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"pre-registration is not locked: {LOCK_PATH} not found (run `make lock` after the pilot)"
     else:
         parts = [f"{k}: {', '.join(res[k])}" for k in ("changed", "missing", "added") if res[k]]
-        note = "all recorded in DEVIATIONS.md" if res["deviations_recorded"] else \
-            f"not recorded in DEVIATIONS.md: {', '.join(res['unrecorded'])}"
+        note = (
+            "all recorded in DEVIATIONS.md"
+            if res["deviations_recorded"]
+            else f"not recorded in DEVIATIONS.md: {', '.join(res['unrecorded'])}"
+        )
         msg = f"pre-registration deviates: {'; '.join(parts)} ({note})"
     if args.allow_deviations:
         print(f"warning: {msg}; continuing, the scorecard marks this run", file=sys.stderr)

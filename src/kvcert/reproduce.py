@@ -34,9 +34,16 @@ PROFILES = {
     # the batch): the speed switches change float rounding, and its records must be regenerated bit for bit
     "confirmatory": {"out": ROOT / "results", "overrides": ["decode.one_batch=false", "decode.drop_finished=false"]},
     # tiny data, same grid: exercises every design and every analysis, verdicts mostly inconclusive
-    "smoke": {"out": ROOT / "results" / "smoke",
-              "overrides": ["task.n_examples=1", "task.context_tokens=[400]", "decode.max_new_tokens=10",
-                            "results_dir=results/smoke/runs"], "t1_draws": 400},
+    "smoke": {
+        "out": ROOT / "results" / "smoke",
+        "overrides": [
+            "task.n_examples=1",
+            "task.context_tokens=[400]",
+            "decode.max_new_tokens=10",
+            "results_dir=results/smoke/runs",
+        ],
+        "t1_draws": 400,
+    },
 }
 
 
@@ -58,10 +65,18 @@ def t1_from_config(cfg: DictConfig, draws: int | None = None) -> dict:
     from kvcert.core.t1 import t1_demonstration
 
     t = cfg.claim.t1
-    return t1_demonstration(lambdas=list(t.lambdas), n=int(t.n), d=int(t.d), budget=float(t.budget),
-                            peakedness=float(t.peakedness), draws=int(draws or t.draws), seed=int(t.seed),
-                            tail_fraction=float(cfg.policy.tail_fraction), floor=float(cfg.policy.floor),
-                            score_power=float(cfg.policy.score_power))
+    return t1_demonstration(
+        lambdas=list(t.lambdas),
+        n=int(t.n),
+        d=int(t.d),
+        budget=float(t.budget),
+        peakedness=float(t.peakedness),
+        draws=int(draws or t.draws),
+        seed=int(t.seed),
+        tail_fraction=float(cfg.policy.tail_fraction),
+        floor=float(cfg.policy.floor),
+        score_power=float(cfg.policy.score_power),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------- run
@@ -89,8 +104,10 @@ def _load_records(run_dir: Path, cache: dict) -> tuple[pd.DataFrame, pd.DataFram
         if not (run_dir / "examples.parquet").exists():
             raise FileNotFoundError(f"no records in {run_dir}; run `python -m kvcert.reproduce run` first")
         steps = run_dir / "steps.parquet"
-        cache[run_dir] = (pd.read_parquet(run_dir / "examples.parquet"),
-                          pd.read_parquet(steps) if steps.exists() else None)
+        cache[run_dir] = (
+            pd.read_parquet(run_dir / "examples.parquet"),
+            pd.read_parquet(steps) if steps.exists() else None,
+        )
     return cache[run_dir]
 
 
@@ -113,9 +130,16 @@ def analyze(profile: str = "confirmatory") -> dict:
     return analyze_records(records, t1, predictions, out, verify(ROOT), profile=profile, runs=runs)
 
 
-def analyze_records(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]], t1: dict | None,
-                    predictions: dict[str, dict], out: Path, lock_status: dict, *, profile: str,
-                    runs: list[str]) -> dict:
+def analyze_records(
+    records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
+    t1: dict | None,
+    predictions: dict[str, dict],
+    out: Path,
+    lock_status: dict,
+    *,
+    profile: str,
+    runs: list[str],
+) -> dict:
     """Claims, tables, figures and the scorecard from records already loaded (claim id -> (examples, steps)),
     the T1 result and the lock status: everything `analyze` writes, with no config or file lookup. The claims
     and their order are those of `predictions` (predictions.yaml's claims mapping)."""
@@ -136,8 +160,10 @@ def analyze_records(records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]]
         main_records = main_records or (examples, steps)
         started = time.perf_counter()
         r = results[cid] = evaluate_claim(cid, examples, steps if spec["analysis"] == "coverage" else None, spec)
-        print(f"[kvcert] {cid}: {r.verdict:12s} observed {r.observed} CI {r.ci} "
-              f"(paper: {r.paper_verdict}) [{time.perf_counter() - started:.1f}s]")
+        print(
+            f"[kvcert] {cid}: {r.verdict:12s} observed {r.observed} CI {r.ci} "
+            f"(paper: {r.paper_verdict}) [{time.perf_counter() - started:.1f}s]"
+        )
     figures = make_figures(results, main_records[0] if main_records else None, t1, out / "figures")
     if main_records:
         write_tables(*main_records, out, n_boot=500)

@@ -1,8 +1,8 @@
 """The Hydra entry point: a cell (model x tasks x lengths x policy grid x budgets x seed) -> Parquet records.
 
-    python -m kvcert.run                                  # the default cell
-    python -m kvcert.run +debug=smoke                     # every design, tiny, < 3 minutes
-    python -m kvcert.run -m budget=0.25,0.5 seed=0,1,2    # a multirun sweep (hydra/launcher=joblib for processes)
+python -m kvcert.run                                  # the default cell
+python -m kvcert.run +debug=smoke                     # every design, tiny, < 3 minutes
+python -m kvcert.run -m budget=0.25,0.5 seed=0,1,2    # a multirun sweep (hydra/launcher=joblib for processes)
 """
 
 from __future__ import annotations
@@ -55,8 +55,7 @@ def _record_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "name") if k in cfg]))
 
 
-def run_cell(cfg: DictConfig, *, model=None, tokenizer=None,
-             after_shard: Callable[[int], None] | None = None) -> Path:
+def run_cell(cfg: DictConfig, *, model=None, tokenizer=None, after_shard: Callable[[int], None] | None = None) -> Path:
     """Run (or resume) one cell; returns its results folder. model/tokenizer may be passed in (tests);
     after_shard(n_written) runs after each written shard (tests use it to simulate a kill)."""
     validate(cfg)
@@ -71,13 +70,15 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None,
         return run_dir
     torch.set_num_threads(int(cfg.threads))
     if model is None:
-        model, tokenizer = load_model(cfg.model.name, cache_dir=cfg.model.cache_dir,
-                                      dtype=getattr(torch, cfg.model.dtype), device=cfg.device)
+        model, tokenizer = load_model(
+            cfg.model.name, cache_dir=cfg.model.cache_dir, dtype=getattr(torch, cfg.model.dtype), device=cfg.device
+        )
     examples = load_examples(cfg, tokenizer)
     store.open()  # nothing is written before the model and the examples exist
     atomic_text(config_text, saved)
-    atomic_text(json.dumps(provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash()), indent=2),
-                run_dir / "provenance.json")
+    atomic_text(
+        json.dumps(provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash()), indent=2), run_dir / "provenance.json"
+    )
     variants = policies(cfg)
     started = time.perf_counter()
     todo = [i for i in range(len(examples)) if not store.is_done(i)]
@@ -97,18 +98,28 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None,
 def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> DecodeOptions:
     """The `decode` config group as the decoder's options."""
     d = cfg.decode
-    return DecodeOptions(max_new_tokens=d.max_new_tokens, stop_strings=tuple(stop_strings), oracle=d.oracle,
-                         certificate=d.certificate, tight_radius=d.tight_radius, context_window=d.context_window,
-                         pool_kernel=d.pool_kernel, one_batch=d.one_batch, drop_finished=d.drop_finished)
+    return DecodeOptions(
+        max_new_tokens=d.max_new_tokens,
+        stop_strings=tuple(stop_strings),
+        oracle=d.oracle,
+        certificate=d.certificate,
+        tight_radius=d.tight_radius,
+        context_window=d.context_window,
+        pool_kernel=d.pool_kernel,
+        one_batch=d.one_batch,
+        drop_finished=d.drop_finished,
+    )
 
 
 def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
     full = df[df.design == "full"]
     cert = df[df.has_certificate & (df.steps_total > 0)]
     cov = cert.steps95.sum() / max(cert.steps_total.sum(), 1)
-    print(f"[kvcert] {name}: {full.example_id.nunique()} examples x {df.variant.nunique()} variants in {seconds:.0f}s; "
-          f"full-cache accuracy {full.correct.mean():.2f}, policy accuracy {df[df.design != 'full'].correct.mean():.2f}"
-          f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells")
+    print(
+        f"[kvcert] {name}: {full.example_id.nunique()} examples x {df.variant.nunique()} variants in {seconds:.0f}s; "
+        f"full-cache accuracy {full.correct.mean():.2f}, policy accuracy {df[df.design != 'full'].correct.mean():.2f}"
+        f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells"
+    )
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")

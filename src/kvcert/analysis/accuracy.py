@@ -50,8 +50,15 @@ def paired_means(
 ) -> dict[str, Interval]:
     """Mean of a, of b and of the paired differences (a - b unless given), in points, on the same example-cluster
     resamples (bootstrap.paired_difference)."""
-    res = paired_difference(weighted_mean(a), weighted_mean(b), clusters, n_boot, seed, alpha,
-                            diff=weighted_mean(a - b if diff is None else diff))
+    res = paired_difference(
+        weighted_mean(a),
+        weighted_mean(b),
+        clusters,
+        n_boot,
+        seed,
+        alpha,
+        diff=weighted_mean(a - b if diff is None else diff),
+    )
     return {k: v.scaled(POINTS) for k, v in res.items()}
 
 
@@ -69,15 +76,29 @@ def accuracy_table(
         ci = cluster_bootstrap(
             weighted_mean(group["correct"].to_numpy(np.float64)), group["example_id"], n_boot, seed, alpha
         ).scaled(POINTS)
-        rows.append({**dict(zip(by, key, strict=True)), "accuracy": ci.estimate, "lo": ci.lo, "hi": ci.hi,
-                     "n_rows": len(group), "n_examples": ci.n_clusters})
+        rows.append(
+            {
+                **dict(zip(by, key, strict=True)),
+                "accuracy": ci.estimate,
+                "lo": ci.lo,
+                "hi": ci.hi,
+                "n_rows": len(group),
+                "n_examples": ci.n_clusters,
+            }
+        )
     return pd.DataFrame(rows)
 
 
 def drop_vs_full(examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """Full-cache accuracy minus policy accuracy (points), paired on each row through its full_correct flag."""
-    res = paired_means(examples["full_correct"].to_numpy(np.float64), examples["correct"].to_numpy(np.float64),
-                       examples["example_id"], n_boot, seed, alpha)
+    res = paired_means(
+        examples["full_correct"].to_numpy(np.float64),
+        examples["correct"].to_numpy(np.float64),
+        examples["example_id"],
+        n_boot,
+        seed,
+        alpha,
+    )
     return {
         "drop": res["diff"].as_dict(),
         "full_accuracy": res["a"].as_dict(),
@@ -101,17 +122,19 @@ def accuracy_vs_budget(
     rows = []
     for key, group in grid.groupby([*by, "budget"], sort=True):
         res = drop_vs_full(group, n_boot, seed, alpha)
-        rows.append({
-            **dict(zip([*by, "budget"], key, strict=True)),
-            "accuracy": res["policy_accuracy"]["estimate"],
-            "lo": res["policy_accuracy"]["lo"],
-            "hi": res["policy_accuracy"]["hi"],
-            "full_accuracy": res["full_accuracy"]["estimate"],
-            "drop": res["drop"]["estimate"],
-            "drop_lo": res["drop"]["lo"],
-            "drop_hi": res["drop"]["hi"],
-            "n_examples": res["n_examples"],
-        })
+        rows.append(
+            {
+                **dict(zip([*by, "budget"], key, strict=True)),
+                "accuracy": res["policy_accuracy"]["estimate"],
+                "lo": res["policy_accuracy"]["lo"],
+                "hi": res["policy_accuracy"]["hi"],
+                "full_accuracy": res["full_accuracy"]["estimate"],
+                "drop": res["drop"]["estimate"],
+                "drop_lo": res["drop"]["lo"],
+                "drop_hi": res["drop"]["hi"],
+                "n_examples": res["n_examples"],
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -143,17 +166,31 @@ def paired_accuracy_difference(
 ) -> dict:
     """Mean over paired units of acc_a - acc_b (points) with a paired example-cluster interval, plus per cell."""
     units = paired_units(examples, arm_a, arm_b, pair_on)
-    res = paired_means(units["acc_a"].to_numpy(), units["acc_b"].to_numpy(), units["example_id"], n_boot, seed,
-                       alpha, diff=units["diff"].to_numpy())
+    res = paired_means(
+        units["acc_a"].to_numpy(),
+        units["acc_b"].to_numpy(),
+        units["example_id"],
+        n_boot,
+        seed,
+        alpha,
+        diff=units["diff"].to_numpy(),
+    )
     cells = []
     if len(units):
         for key, group in units.groupby(list(pair_on), sort=True):
             ci = cluster_bootstrap(weighted_mean(group["diff"].to_numpy()), group["example_id"], n_boot, seed, alpha)
             ci = ci.scaled(POINTS)
-            cells.append({**dict(zip(pair_on, key if isinstance(key, tuple) else (key,), strict=True)),
-                          "diff": ci.estimate, "lo": ci.lo, "hi": ci.hi,
-                          "acc_a": POINTS * group["acc_a"].mean(), "acc_b": POINTS * group["acc_b"].mean(),
-                          "n_examples": ci.n_clusters})
+            cells.append(
+                {
+                    **dict(zip(pair_on, key if isinstance(key, tuple) else (key,), strict=True)),
+                    "diff": ci.estimate,
+                    "lo": ci.lo,
+                    "hi": ci.hi,
+                    "acc_a": POINTS * group["acc_a"].mean(),
+                    "acc_b": POINTS * group["acc_b"].mean(),
+                    "n_examples": ci.n_clusters,
+                }
+            )
     return {
         "diff": res["diff"].as_dict(),
         "acc_a": res["a"].as_dict(),

@@ -74,10 +74,22 @@ def paired_auroc(
     if reason is None and not (np.isfinite(a).all() and np.isfinite(b).all()):
         reason = "non-finite scores"
     if reason is not None:
-        nan = {"estimate": float("nan"), "lo": float("nan"), "hi": float("nan"), "n_clusters": 0,
-               "n_boot": n_boot, "n_valid": 0}
-        return {"auc_a": dict(nan), "auc_b": dict(nan), "diff": dict(nan), "n_pos": n_pos, "n_neg": n_neg,
-                "reason": reason}
+        nan = {
+            "estimate": float("nan"),
+            "lo": float("nan"),
+            "hi": float("nan"),
+            "n_clusters": 0,
+            "n_boot": n_boot,
+            "n_valid": 0,
+        }
+        return {
+            "auc_a": dict(nan),
+            "auc_b": dict(nan),
+            "diff": dict(nan),
+            "n_pos": n_pos,
+            "n_neg": n_neg,
+            "reason": reason,
+        }
     stat_a, stat_b = weighted_auroc_stat(y, a), weighted_auroc_stat(y, b)
     res = paired_difference(stat_a, stat_b, clusters, n_boot, seed, alpha)
     out = {"auc_a": res["a"].as_dict(), "auc_b": res["b"].as_dict(), "diff": res["diff"].as_dict()}
@@ -105,26 +117,33 @@ def finite_rows(examples: pd.DataFrame, columns: list[str]) -> tuple[pd.DataFram
     return examples.loc[ok], int((~ok).sum())
 
 
-def failure_prediction(
-    examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05
-) -> dict:
+def failure_prediction(examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """C4: label failure = not correct; certificate score vs output confidence (-mean log-prob)."""
     ex, excluded = finite_rows(examples, ["cert_score", "logprob_mean"])
     labels = ~ex["correct"].to_numpy(bool)
     cert, conf = ex["cert_score"].to_numpy(np.float64), -ex["logprob_mean"].to_numpy(np.float64)
     res = paired_auroc(labels, cert, conf, ex["example_id"].to_numpy(), n_boot, seed, alpha)
-    return {**res, "n_excluded": excluded, "n_rows": len(ex),
-            "roc_cert": roc_points(labels, cert), "roc_confidence": roc_points(labels, conf)}
+    return {
+        **res,
+        "n_excluded": excluded,
+        "n_rows": len(ex),
+        "roc_cert": roc_points(labels, cert),
+        "roc_confidence": roc_points(labels, conf),
+    }
 
 
-def failure_attribution(
-    examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05
-) -> dict:
+def failure_attribution(examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """C6: among failures, label cache-induced = the full cache was correct; certificate vs confidence."""
     failures = examples[~examples["correct"].astype(bool)]
     ex, excluded = finite_rows(failures, ["cert_score", "logprob_mean"])
     labels = ex["full_correct"].to_numpy(bool)
     cert, conf = ex["cert_score"].to_numpy(np.float64), -ex["logprob_mean"].to_numpy(np.float64)
     res = paired_auroc(labels, cert, conf, ex["example_id"].to_numpy(), n_boot, seed, alpha)
-    return {**res, "n_excluded": excluded, "n_rows": len(ex), "n_failures": len(failures),
-            "roc_cert": roc_points(labels, cert), "roc_confidence": roc_points(labels, conf)}
+    return {
+        **res,
+        "n_excluded": excluded,
+        "n_rows": len(ex),
+        "n_failures": len(failures),
+        "roc_cert": roc_points(labels, cert),
+        "roc_confidence": roc_points(labels, conf),
+    }

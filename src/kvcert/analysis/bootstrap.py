@@ -126,8 +126,9 @@ def paired_difference(
     (e.g. weighted_mean(a_values - b_values)): diff is then computed from the differences themselves."""
     if diff is not None:
         return bootstrap_many({"a": stat_a, "b": stat_b, "diff": diff}, clusters, n_boot, seed, alpha)
-    return bootstrap_many({"a": stat_a, "b": stat_b}, clusters, n_boot, seed, alpha,
-                          derived={"diff": lambda v: v["a"] - v["b"]})
+    return bootstrap_many(
+        {"a": stat_a, "b": stat_b}, clusters, n_boot, seed, alpha, derived={"diff": lambda v: v["a"] - v["b"]}
+    )
 
 
 def ratio_of_sums(

@@ -111,15 +111,37 @@ class ClaimResult:
 
     def as_dict(self) -> dict:
         if not self.evaluated:
-            return {"id": self.id, "claim": self.claim, "prediction": self.prediction, "observed": self.observed,
-                    "ci": self.ci, "verdict": self.verdict, "paper_verdict": self.paper_verdict,
-                    "agrees_with_paper": self.agrees_with_paper, "evaluated": False, "details": self.details}
-        out = {"id": self.id, "claim": self.claim, "prediction": self.prediction,
-               "primary_metric": self.primary_metric, "unit": self.unit, "observed": self.observed, "ci": self.ci,
-               "verdict": self.verdict, "paper_verdict": self.paper_verdict, "paper_value": self.paper_value,
-               "agrees_with_paper": self.agrees_with_paper, "n_examples": self.n_examples}
-        out |= {k: v for k, v in (("conditions", self.conditions), ("secondary", self.secondary),
-                                  ("metrics", self.metrics)) if v is not None}
+            return {
+                "id": self.id,
+                "claim": self.claim,
+                "prediction": self.prediction,
+                "observed": self.observed,
+                "ci": self.ci,
+                "verdict": self.verdict,
+                "paper_verdict": self.paper_verdict,
+                "agrees_with_paper": self.agrees_with_paper,
+                "evaluated": False,
+                "details": self.details,
+            }
+        out = {
+            "id": self.id,
+            "claim": self.claim,
+            "prediction": self.prediction,
+            "primary_metric": self.primary_metric,
+            "unit": self.unit,
+            "observed": self.observed,
+            "ci": self.ci,
+            "verdict": self.verdict,
+            "paper_verdict": self.paper_verdict,
+            "paper_value": self.paper_value,
+            "agrees_with_paper": self.agrees_with_paper,
+            "n_examples": self.n_examples,
+        }
+        out |= {
+            k: v
+            for k, v in (("conditions", self.conditions), ("secondary", self.secondary), ("metrics", self.metrics))
+            if v is not None
+        }
         return out | {"details": self.details}
 
 
@@ -190,13 +212,20 @@ def exclude_nonfinite(examples: pd.DataFrame) -> tuple[pd.DataFrame, dict[str, i
     # the runner flags rows where any logged quantity went non-finite before it was replaced by NaN
     flagged = examples["nonfinite"].to_numpy(bool) if "nonfinite" in examples else np.zeros(len(examples), bool)
     keep = ~(bad_lp | bad_cert | flagged)
-    return examples.loc[keep], {"nonfinite_logprob": int(bad_lp.sum()), "nonfinite_certificate": int(bad_cert.sum()),
-                                "nonfinite_flagged": int(flagged.sum()), "excluded": int((~keep).sum())}
+    return examples.loc[keep], {
+        "nonfinite_logprob": int(bad_lp.sum()),
+        "nonfinite_certificate": int(bad_cert.sum()),
+        "nonfinite_flagged": int(flagged.sum()),
+        "excluded": int((~keep).sum()),
+    }
 
 
 def _boot(spec: Mapping) -> dict:
-    return {"n_boot": int(spec.get("n_boot", 2000)), "seed": int(spec.get("bootstrap_seed", 0)),
-            "alpha": float(spec.get("alpha", 0.05))}
+    return {
+        "n_boot": int(spec.get("n_boot", 2000)),
+        "seed": int(spec.get("bootstrap_seed", 0)),
+        "alpha": float(spec.get("alpha", 0.05)),
+    }
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -232,9 +261,15 @@ def _coverage(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping)
         "by_task": _records(coverage.coverage_table(st, "task", level, **b)),
         "by_layer": _records(coverage.coverage_table(st, "layer", level, **b)),
         "calibration": _records(coverage.calibration_curve(st, spec.get("levels", coverage.DEFAULT_LEVELS), **b)),
-        "by_regime": _records(coverage.coverage_by_regime(
-            st, level, regime.get("tail_mass", coverage.TAIL_MASS_BINS), regime.get("p_max", coverage.P_MAX_BINS),
-            **b)),
+        "by_regime": _records(
+            coverage.coverage_by_regime(
+                st,
+                level,
+                regime.get("tail_mass", coverage.TAIL_MASS_BINS),
+                regime.get("p_max", coverage.P_MAX_BINS),
+                **b,
+            )
+        ),
         "conformal": conf,
     }
     return metrics, details, int(res["n_examples"])
@@ -243,8 +278,9 @@ def _coverage(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping)
 def _paired_accuracy(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
     ex = accuracy.select_rows(examples, spec.get("rows"))
     arms = spec["arms"]
-    res = accuracy.paired_accuracy_difference(ex, arms["a"], arms["b"], spec.get("pair_on", ["scorer", "budget"]),
-                                              **_boot(spec))
+    res = accuracy.paired_accuracy_difference(
+        ex, arms["a"], arms["b"], spec.get("pair_on", ["scorer", "budget"]), **_boot(spec)
+    )
     cells = res["cells"]
     worst = cells.loc[cells["lo"].idxmin()].to_dict() if len(cells) and cells["lo"].notna().any() else None
     metrics = {"diff": res["diff"], "acc_a": res["acc_a"], "acc_b": res["acc_b"]}
@@ -260,9 +296,18 @@ def _drop_vs_full(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapp
     res = accuracy.drop_vs_full(ex, **b)
     per_budget = {float(k): accuracy.drop_vs_full(g, **b) for k, g in ex.groupby("budget", sort=True)}
     metrics = {"drop": res["drop"], "full_accuracy": res["full_accuracy"], "policy_accuracy": res["policy_accuracy"]}
-    details = {"by_budget": [{"budget": k, "drop": v["drop"], "policy_accuracy": v["policy_accuracy"],
-                              "full_accuracy": v["full_accuracy"], "n_examples": v["n_examples"]}
-                             for k, v in per_budget.items()]}
+    details = {
+        "by_budget": [
+            {
+                "budget": k,
+                "drop": v["drop"],
+                "policy_accuracy": v["policy_accuracy"],
+                "full_accuracy": v["full_accuracy"],
+                "n_examples": v["n_examples"],
+            }
+            for k, v in per_budget.items()
+        ]
+    }
     return metrics, details, int(res["n_examples"])
 
 
@@ -271,8 +316,14 @@ def _auroc_metrics(res: dict) -> dict:
 
 
 def _auroc_details(res: dict) -> dict:
-    return {"n_pos": res["n_pos"], "n_neg": res["n_neg"], "reason": res["reason"], "n_excluded": res["n_excluded"],
-            "roc_cert": _records(res["roc_cert"]), "roc_confidence": _records(res["roc_confidence"])}
+    return {
+        "n_pos": res["n_pos"],
+        "n_neg": res["n_neg"],
+        "reason": res["reason"],
+        "n_excluded": res["n_excluded"],
+        "roc_cert": _records(res["roc_cert"]),
+        "roc_confidence": _records(res["roc_confidence"]),
+    }
 
 
 def _auroc_failure(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping) -> tuple[dict, dict, int]:
@@ -305,8 +356,12 @@ def _recompute(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping
     res = intervention.recompute_areas(ex, budgets, **_boot(spec))
     names = ("diff_random", "diff_confidence", "certificate", "confidence", "random", "oracle")
     metrics = {k: res[k] for k in names}
-    details = {"curves": _records(intervention.recompute_curves(ex, budgets)), "n_excluded": res["n_excluded"],
-               "n_cache_induced": res["n_cache_induced"], "budgets": res["budgets"]}
+    details = {
+        "curves": _records(intervention.recompute_curves(ex, budgets)),
+        "n_excluded": res["n_excluded"],
+        "n_cache_induced": res["n_cache_induced"],
+        "budgets": res["budgets"],
+    }
     return metrics, details, int(res["n_examples"])
 
 
@@ -342,8 +397,10 @@ def evaluate_claim(
     metrics, details, n_examples = ANALYSES[kind](kept, steps, spec)
     verdict, conditions = decide(metrics, list(spec["decision"]))
     secondary = [  # a secondary metric may be unavailable (e.g. conformal without step records): say so
-        {**c, "status": condition_status(metrics[str(c["metric"])], c) if str(c["metric"]) in metrics
-         else "unavailable"}
+        {
+            **c,
+            "status": condition_status(metrics[str(c["metric"])], c) if str(c["metric"]) in metrics else "unavailable",
+        }
         for c in spec.get("secondary", [])
     ]
     primary = metrics[str(spec["primary_metric"])]
@@ -380,8 +437,7 @@ def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> Cl
     min_growth = float(spec.get("min_error_growth", 2.0))
 
     sizes = {len(lam), len(err), len(est), len(mse), len(vhat)}
-    arrays_ok = len(sizes) == 1 and len(lam) >= 2 and all(
-        np.isfinite(a).all() for a in (lam, err, est, mse, vhat))
+    arrays_ok = len(sizes) == 1 and len(lam) >= 2 and all(np.isfinite(a).all() for a in (lam, err, est, mse, vhat))
     checks: dict[str, bool] = {}
     ratio = np.full(len(mse), np.nan)
     if arrays_ok:
@@ -393,9 +449,10 @@ def evaluate_t1(t1_result: Mapping[str, list], spec: Mapping[str, object]) -> Cl
         checks["error_grows"] = bool(growth >= min_growth and np.all(np.diff(err) >= -rtol * max(err.max(), 1e-12)))
         with np.errstate(divide="ignore", invalid="ignore"):
             ratio = np.where(mse > 0, vhat / mse, np.nan)
-        checks["ratio_in_band"] = bool(np.isfinite(ratio).any()
-                                       and np.all((ratio[np.isfinite(ratio)] >= lo_band)
-                                                  & (ratio[np.isfinite(ratio)] <= hi_band)))
+        checks["ratio_in_band"] = bool(
+            np.isfinite(ratio).any()
+            and np.all((ratio[np.isfinite(ratio)] >= lo_band) & (ratio[np.isfinite(ratio)] <= hi_band))
+        )
         verdict = "supported" if all(checks.values()) else "refuted"
     else:
         verdict = "inconclusive"

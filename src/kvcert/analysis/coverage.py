@@ -84,9 +84,7 @@ def pooled_coverage(
     }
 
 
-def coverage_from_examples(
-    examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05
-) -> dict:
+def coverage_from_examples(examples: pd.DataFrame, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """95% coverage from the per-example counts (steps95 / steps_total) when step records are not at hand."""
     ex = examples[examples["has_certificate"].astype(bool) & (examples["steps_total"] > 0)]
     grouped = ex.groupby("example_id")[["steps95", "steps_total"]].sum()
@@ -161,8 +159,9 @@ def coverage_by_regime(
         bins = pd.cut(cells[regime].astype(np.float64), bins=list(edges), include_lowest=True)
         for interval, group in cells.groupby(bins, observed=True, sort=True):
             res = pooled_coverage(group, level, n_boot, seed, alpha)
-            rows.append({"regime": regime, "bin": str(interval), "bin_lo": interval.left, "bin_hi": interval.right,
-                         **res})
+            rows.append(
+                {"regime": regime, "bin": str(interval), "bin_lo": interval.left, "bin_hi": interval.right, **res}
+            )
     return pd.DataFrame(rows)
 
 

@@ -29,8 +29,9 @@ def _frame(data: pd.DataFrame | list[dict]) -> pd.DataFrame:
     return data if isinstance(data, pd.DataFrame) else pd.DataFrame(data)
 
 
-def plot_calibration(calibration: pd.DataFrame | list[dict], out_dir: str | Path,
-                     name: str = "c1_calibration.png") -> Path:
+def plot_calibration(
+    calibration: pd.DataFrame | list[dict], out_dir: str | Path, name: str = "c1_calibration.png"
+) -> Path:
     """Empirical vs nominal coverage of z * sqrt(V_hat), with the example-cluster band."""
     df = _frame(calibration)
     fig, ax = plt.subplots(figsize=(5, 5))
@@ -38,8 +39,13 @@ def plot_calibration(calibration: pd.DataFrame | list[dict], out_dir: str | Path
     if len(df):
         ax.fill_between(df["nominal"], df["lo"], df["hi"], alpha=0.25)
         ax.plot(df["nominal"], df["coverage"], "o-", label="empirical")
-    ax.set(xlabel="nominal level", ylabel="empirical coverage", title="C1: certificate calibration",
-           xlim=(0.48, 1.0), ylim=(0.0, 1.01))
+    ax.set(
+        xlabel="nominal level",
+        ylabel="empirical coverage",
+        title="C1: certificate calibration",
+        xlim=(0.48, 1.0),
+        ylim=(0.0, 1.01),
+    )
     ax.legend()
     return _save(fig, out_dir, name)
 
@@ -50,17 +56,27 @@ def plot_accuracy_vs_budget(table: pd.DataFrame, out_dir: str | Path, name: str 
     if len(table):
         for (scorer, design), g in table.groupby(["scorer", "design"], sort=True):
             g = g.sort_values("budget")
-            ax.errorbar(g["budget"], g["accuracy"], yerr=[g["accuracy"] - g["lo"], g["hi"] - g["accuracy"]],
-                        marker="o", capsize=2, label=f"{scorer} / {design}")
+            ax.errorbar(
+                g["budget"],
+                g["accuracy"],
+                yerr=[g["accuracy"] - g["lo"], g["hi"] - g["accuracy"]],
+                marker="o",
+                capsize=2,
+                label=f"{scorer} / {design}",
+            )
         ax.axhline(float(table["full_accuracy"].mean()), color="k", ls="--", label="full cache")
-    ax.set(xlabel="budget (fraction of prompt kept)", ylabel="accuracy (%)", title="Accuracy vs budget",
-           ylim=(0, 100))
+    ax.set(xlabel="budget (fraction of prompt kept)", ylabel="accuracy (%)", title="Accuracy vs budget", ylim=(0, 100))
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, out_dir, name)
 
 
-def plot_roc(curves: Mapping[str, pd.DataFrame | list[dict]], out_dir: str | Path, name: str, title: str,
-             aucs: Mapping[str, float] | None = None) -> Path:
+def plot_roc(
+    curves: Mapping[str, pd.DataFrame | list[dict]],
+    out_dir: str | Path,
+    name: str,
+    title: str,
+    aucs: Mapping[str, float] | None = None,
+) -> Path:
     """ROC curves for several scores of one labelling (C4: failure; C6: cache-induced among failures)."""
     fig, ax = plt.subplots(figsize=(5, 5))
     ax.plot([0, 1], [0, 1], "k:", lw=1)
@@ -75,8 +91,9 @@ def plot_roc(curves: Mapping[str, pd.DataFrame | list[dict]], out_dir: str | Pat
     return _save(fig, out_dir, name)
 
 
-def plot_policy_curves(curves: pd.DataFrame | list[dict], x: str, out_dir: str | Path, name: str, title: str,
-                       xlabel: str) -> Path:
+def plot_policy_curves(
+    curves: pd.DataFrame | list[dict], x: str, out_dir: str | Path, name: str, title: str, xlabel: str
+) -> Path:
     """Accuracy per policy against a rate (escalation, C5) or a recompute budget (C7)."""
     df = _frame(curves)
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -126,17 +143,37 @@ def make_figures(
         res = claim_results.get(cid)
         if res:
             d, m = res.details, res.metrics
-            paths.append(plot_roc({"certificate": d["roc_cert"], "confidence (-logprob)": d["roc_confidence"]},
-                                  out_dir, f"{cid.lower()}_roc.png", title,
-                                  {"certificate": m["auc_cert"]["estimate"],
-                                   "confidence (-logprob)": m["auc_conf"]["estimate"]}))
+            paths.append(
+                plot_roc(
+                    {"certificate": d["roc_cert"], "confidence (-logprob)": d["roc_confidence"]},
+                    out_dir,
+                    f"{cid.lower()}_roc.png",
+                    title,
+                    {"certificate": m["auc_cert"]["estimate"], "confidence (-logprob)": m["auc_conf"]["estimate"]},
+                )
+            )
     if claim_results.get("C5"):
-        paths.append(plot_policy_curves(claim_results["C5"].details["curves"], "rate", out_dir,
-                                        "c5_escalation.png", "C5: budget escalation", "escalation rate"))
+        paths.append(
+            plot_policy_curves(
+                claim_results["C5"].details["curves"],
+                "rate",
+                out_dir,
+                "c5_escalation.png",
+                "C5: budget escalation",
+                "escalation rate",
+            )
+        )
     if claim_results.get("C7"):
-        paths.append(plot_policy_curves(claim_results["C7"].details["curves"], "budget", out_dir,
-                                        "c7_recompute.png", "C7: recomputation with the full cache",
-                                        "recompute budget (fraction of examples)"))
+        paths.append(
+            plot_policy_curves(
+                claim_results["C7"].details["curves"],
+                "budget",
+                out_dir,
+                "c7_recompute.png",
+                "C7: recomputation with the full cache",
+                "recompute budget (fraction of examples)",
+            )
+        )
     if t1_result:
         paths.append(plot_t1(t1_result, out_dir))
     return paths

@@ -27,8 +27,17 @@ from kvcert.analysis.accuracy import POINTS, select_rows
 from kvcert.analysis.auroc import finite_rows
 from kvcert.analysis.bootstrap import bootstrap_many
 
-POLICY_KEYS = ("example_id", "task", "scorer", "design", "seed", "tail_fraction", "floor", "score_power",
-               "question_aware")
+POLICY_KEYS = (
+    "example_id",
+    "task",
+    "scorer",
+    "design",
+    "seed",
+    "tail_fraction",
+    "floor",
+    "score_power",
+    "question_aware",
+)
 DEFAULT_RATES = (0.0, 0.1, 0.2, 0.25, 0.3, 0.4, 0.5)
 DEFAULT_BUDGETS = tuple(np.round(np.linspace(0.0, 0.5, 11), 4).tolist())
 
@@ -96,16 +105,23 @@ class RankedIntervention:
         ones = np.ones(len(self))
         return {name: self.curve(name, fractions)(ones) for name in self.groups}
 
-    def bootstrap(self, stats: Mapping[str, Callable[[np.ndarray], float]],
-                  derived: Mapping[str, Callable[[dict[str, float]], float]], n_boot: int, seed: int,
-                  alpha: float) -> dict[str, dict]:
+    def bootstrap(
+        self,
+        stats: Mapping[str, Callable[[np.ndarray], float]],
+        derived: Mapping[str, Callable[[dict[str, float]], float]],
+        n_boot: int,
+        seed: int,
+        alpha: float,
+    ) -> dict[str, dict]:
         """Every stat (weights -> float) on the same example-cluster resamples, in points."""
         res = bootstrap_many(dict(stats), self.clusters, n_boot, seed, alpha, derived=dict(derived))
         return {name: ci.scaled(POINTS).as_dict() for name, ci in res.items()}
 
 
-DIFFERENCES = {"random": lambda v: v["certificate"] - v["random"],
-               "confidence": lambda v: v["certificate"] - v["confidence"]}
+DIFFERENCES = {
+    "random": lambda v: v["certificate"] - v["random"],
+    "confidence": lambda v: v["certificate"] - v["confidence"],
+}
 
 
 # --------------------------------------------------------------------------------------------- C5: escalation
@@ -119,8 +135,11 @@ def escalation_units(
     lo = select_rows(examples, low)
     hi = select_rows(examples, high)
     lo = lo.groupby(keys, dropna=False).agg(
-        correct_lo=("correct", "mean"), cert=("cert_score", "mean"), logprob=("logprob_mean", "mean"),
-        full_correct=("full_correct", "mean"))
+        correct_lo=("correct", "mean"),
+        cert=("cert_score", "mean"),
+        logprob=("logprob_mean", "mean"),
+        full_correct=("full_correct", "mean"),
+    )
     hi = hi.groupby(keys, dropna=False).agg(correct_hi=("correct", "mean"))
     units = lo.join(hi, how="inner").reset_index()
     units["confidence"] = -units["logprob"].astype(np.float64)
@@ -132,20 +151,24 @@ def escalation_units(
 
 def escalation(units: pd.DataFrame) -> RankedIntervention:
     """Escalation from the low to the high budget, ranked by the low-budget certificate and confidence."""
-    return RankedIntervention(units, base="correct_lo", improved="correct_hi",
-                              scores={"certificate": "cert", "confidence": "confidence"})
+    return RankedIntervention(
+        units, base="correct_lo", improved="correct_hi", scores={"certificate": "cert", "confidence": "confidence"}
+    )
 
 
 def escalation_curves(units: pd.DataFrame, rates: Sequence[float] = DEFAULT_RATES) -> pd.DataFrame:
     """Accuracy (points) after escalation per policy and rate."""
     curves = escalation(units).curves(rates)
-    return pd.DataFrame([{"policy": name, "rate": float(rate), "accuracy": POINTS * float(acc)}
-                         for name, curve in curves.items() for rate, acc in zip(rates, curve, strict=True)])
+    return pd.DataFrame(
+        [
+            {"policy": name, "rate": float(rate), "accuracy": POINTS * float(acc)}
+            for name, curve in curves.items()
+            for rate, acc in zip(rates, curve, strict=True)
+        ]
+    )
 
 
-def escalation_gain(
-    units: pd.DataFrame, rate: float, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05
-) -> dict:
+def escalation_gain(units: pd.DataFrame, rate: float, n_boot: int = 2000, seed: int = 0, alpha: float = 0.05) -> dict:
     """At one rate: accuracy per policy and the paired gains certificate - random, certificate - confidence."""
     esc = escalation(units)
 
@@ -167,8 +190,16 @@ def recomputation(examples: pd.DataFrame) -> tuple[RankedIntervention, pd.DataFr
     """Recomputation with the full cache over the rows with finite scores (and how many were excluded)."""
     ex, excluded = finite_rows(examples, ["cert_score", "logprob_mean"])
     ranked = ex.assign(confidence=-ex["logprob_mean"].to_numpy(np.float64))
-    return (RankedIntervention(ranked, base="correct", improved="full_correct",
-                               scores={"certificate": "cert_score", "confidence": "confidence"}), ex, excluded)
+    return (
+        RankedIntervention(
+            ranked,
+            base="correct",
+            improved="full_correct",
+            scores={"certificate": "cert_score", "confidence": "confidence"},
+        ),
+        ex,
+        excluded,
+    )
 
 
 def normalized_area(budgets: Sequence[float], accuracy: np.ndarray) -> float:
@@ -182,9 +213,13 @@ def recompute_curves(examples: pd.DataFrame, budgets: Sequence[float] = DEFAULT_
     """Accuracy (points) per ranking and recompute budget, with the full-cache accuracy for reference."""
     rec, ex, _ = recomputation(examples)
     full = POINTS * ex["full_correct"].to_numpy(np.float64).mean() if len(ex) else float("nan")
-    return pd.DataFrame([{"policy": name, "budget": float(b), "accuracy": POINTS * a, "full_accuracy": full}
-                         for name, curve in rec.curves(budgets).items()
-                         for b, a in zip(budgets, curve, strict=True)])
+    return pd.DataFrame(
+        [
+            {"policy": name, "budget": float(b), "accuracy": POINTS * a, "full_accuracy": full}
+            for name, curve in rec.curves(budgets).items()
+            for b, a in zip(budgets, curve, strict=True)
+        ]
+    )
 
 
 def recompute_areas(

@@ -13,9 +13,17 @@ def pilot_summary(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """One row per variant: accuracy, full-cache accuracy, certificate score, relative error, n, coverage."""
     cert = steps[np.isfinite(steps.variance)]
     cov = (cert.error <= cert.radius95).groupby(cert.variant).mean().rename("coverage")
-    g = examples.groupby(["variant", "scorer", "design", "budget", "tail_fraction", "floor"]).agg(
-        accuracy=("correct", "mean"), full_accuracy=("full_correct", "mean"), cert_score=("cert_score", "mean"),
-        rel_error=("rel_error_mean", "mean"), n=("correct", "size")).reset_index()
+    g = (
+        examples.groupby(["variant", "scorer", "design", "budget", "tail_fraction", "floor"])
+        .agg(
+            accuracy=("correct", "mean"),
+            full_accuracy=("full_correct", "mean"),
+            cert_score=("cert_score", "mean"),
+            rel_error=("rel_error_mean", "mean"),
+            n=("correct", "size"),
+        )
+        .reset_index()
+    )
     return g.join(cov, on="variant")
 
 

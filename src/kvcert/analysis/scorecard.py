@@ -84,8 +84,15 @@ def _row_cells(c: Mapping) -> list[str]:
     paper = str(c.get("paper_verdict") or "n/a")
     if c.get("paper_value"):
         paper += f" ({c['paper_value']})"
-    return [str(c["id"]), str(c.get("claim", "")), str(c.get("prediction", "")), observed, str(c.get("verdict")),
-            paper, agrees_s]
+    return [
+        str(c["id"]),
+        str(c.get("claim", "")),
+        str(c.get("prediction", "")),
+        observed,
+        str(c.get("verdict")),
+        paper,
+        agrees_s,
+    ]
 
 
 HEADER = ["id", "claim", "prediction", "observed [95% CI]", "verdict", "paper", "agrees"]
@@ -95,8 +102,14 @@ def scorecard_markdown(scorecard: Mapping) -> str:
     def esc(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["# Scorecard", "", scorecard["lock"]["line"], "",
-             "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines = [
+        "# Scorecard",
+        "",
+        scorecard["lock"]["line"],
+        "",
+        "| " + " | ".join(HEADER) + " |",
+        "|" + "---|" * len(HEADER),
+    ]
     lines += ["| " + " | ".join(esc(x) for x in _row_cells(c)) + " |" for c in scorecard["claims"]]
     return "\n".join(lines) + "\n"
 
@@ -105,18 +118,26 @@ def scorecard_html(scorecard: Mapping, figures: list[str]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in HEADER)
     body = "".join(
         f'<tr class="{html.escape(str(c.get("verdict")))}">'
-        + "".join(f"<td>{html.escape(x)}</td>" for x in _row_cells(c)) + "</tr>"
+        + "".join(f"<td>{html.escape(x)}</td>" for x in _row_cells(c))
+        + "</tr>"
         for c in scorecard["claims"]
     )
-    imgs = "".join(f'<figure><img src="{html.escape(f)}" alt="{html.escape(f)}" style="max-width:720px">'
-                   f"<figcaption>{html.escape(f)}</figcaption></figure>" for f in figures)
-    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #999;"
-             "padding:4px 8px;vertical-align:top}.supported{background:#e8f5e9}.refuted{background:#ffebee}"
-             ".inconclusive{background:#fffde7}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>kvcert scorecard</title>"
-            f"<style>{style}</style></head><body><h1>Scorecard</h1>"
-            f"<p>{html.escape(scorecard['lock']['line'])}</p><table><tr>{head}</tr>{body}</table>"
-            f"<h2>Figures</h2>{imgs}</body></html>\n")
+    imgs = "".join(
+        f'<figure><img src="{html.escape(f)}" alt="{html.escape(f)}" style="max-width:720px">'
+        f"<figcaption>{html.escape(f)}</figcaption></figure>"
+        for f in figures
+    )
+    style = (
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #999;"
+        "padding:4px 8px;vertical-align:top}.supported{background:#e8f5e9}.refuted{background:#ffebee}"
+        ".inconclusive{background:#fffde7}"
+    )
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>kvcert scorecard</title>"
+        f"<style>{style}</style></head><body><h1>Scorecard</h1>"
+        f"<p>{html.escape(scorecard['lock']['line'])}</p><table><tr>{head}</tr>{body}</table>"
+        f"<h2>Figures</h2>{imgs}</body></html>\n"
+    )
 
 
 def write_scorecard(scorecard: dict, out_dir: str | Path, figures: list[Path]) -> dict[str, Path]:

@@ -19,11 +19,19 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
     acc = accuracy_vs_budget(examples, n_boot=n_boot)
     acc.to_csv(tables / "accuracy_vs_budget.csv", index=False)
     written.append(tables / "accuracy_vs_budget.csv")
-    summary = (examples.groupby(["scorer", "design", "budget"], dropna=False)
-               .agg(n=("correct", "size"), accuracy=("correct", "mean"), kept_tokens=("kept_tokens", "mean"),
-                    cert_score=("cert_score", "mean"), rel_error=("rel_error_mean", "mean"),
-                    covered95=("covered95", "mean"), logprob=("logprob_mean", "mean"))
-               .reset_index())
+    summary = (
+        examples.groupby(["scorer", "design", "budget"], dropna=False)
+        .agg(
+            n=("correct", "size"),
+            accuracy=("correct", "mean"),
+            kept_tokens=("kept_tokens", "mean"),
+            cert_score=("cert_score", "mean"),
+            rel_error=("rel_error_mean", "mean"),
+            covered95=("covered95", "mean"),
+            logprob=("logprob_mean", "mean"),
+        )
+        .reset_index()
+    )
     summary.to_csv(tables / "variants.csv", index=False)
     written.append(tables / "variants.csv")
     if steps is not None and len(steps):

@@ -21,5 +21,16 @@ from kvcert.bench.cli import bench_integration, main, run_bench
 from kvcert.bench.common import FULL_CONFIG, QUICK_CONFIG, BenchConfig, StepTimer, policy_grid
 from kvcert.bench.roofline import ModelShape, VariantLoad, step_cost
 
-__all__ = ["BenchConfig", "FULL_CONFIG", "ModelShape", "QUICK_CONFIG", "StepTimer", "VariantLoad", "bench_integration",
-           "main", "policy_grid", "run_bench", "step_cost"]
+__all__ = [
+    "BenchConfig",
+    "FULL_CONFIG",
+    "ModelShape",
+    "QUICK_CONFIG",
+    "StepTimer",
+    "VariantLoad",
+    "bench_integration",
+    "main",
+    "policy_grid",
+    "run_bench",
+    "step_cost",
+]

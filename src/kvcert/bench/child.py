@@ -24,14 +24,16 @@ import torch
 from kvcert.bench.common import FULL_CONFIG, load, no_eos, policy_grid, run_generate, synthetic_prompt
 
 
-def run_child(args: list[str], env_extra: dict[str, str] | None = None, drop: tuple[str, ...] = (),
-              timeout: float = 1800) -> dict:
+def run_child(
+    args: list[str], env_extra: dict[str, str] | None = None, drop: tuple[str, ...] = (), timeout: float = 1800
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(env_extra or {})
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    res = subprocess.run([sys.executable, "-m", "kvcert.bench.child", *args], capture_output=True, text=True,
-                         env=env, timeout=timeout)
+    res = subprocess.run(
+        [sys.executable, "-m", "kvcert.bench.child", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
     if res.returncode != 0:
         raise RuntimeError(f"bench child {args} failed: {res.stderr.strip().splitlines()[-1:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -79,8 +81,7 @@ def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) ->
     cuda = torch.device(device).type == "cuda"
     with no_eos(model):
         # the working set of a tiny warm-up run (allocator, kernels, lazily built modules) is baseline, not config
-        run_generate(model, ids[: min(64, tokens)], min(qs, 32), policies[:1], DecodeOptions(max_new_tokens=2),
-                     device)
+        run_generate(model, ids[: min(64, tokens)], min(qs, 32), policies[:1], DecodeOptions(max_new_tokens=2), device)
         base = rss_mb()
         if cuda:
             torch.cuda.synchronize()
@@ -108,8 +109,23 @@ def bench_memory(model_name, cfg, device, dtype, log) -> list[dict]:
     rows = []
     for n in cfg.memory_lengths:
         for v in cfg.memory_variants:
-            r = run_child(["memory", "--model", model_name, "--device", device, "--dtype", dtype, "--tokens", str(n),
-                           "--variants", str(v), "--max-new-tokens", str(cfg.max_new_tokens)])
+            r = run_child(
+                [
+                    "memory",
+                    "--model",
+                    model_name,
+                    "--device",
+                    device,
+                    "--dtype",
+                    dtype,
+                    "--tokens",
+                    str(n),
+                    "--variants",
+                    str(v),
+                    "--max-new-tokens",
+                    str(cfg.max_new_tokens),
+                ]
+            )
             rows.append(dict(tokens=n, variants=v, **r))
             log(f"  memory n={n} N={v}: peak RSS delta {r['peak_delta_mb']:.0f} MB")
     return rows
@@ -131,8 +147,9 @@ def main(argv=None) -> int:
     if a.kind == "memory":
         r = child_memory(a.model, a.device, a.dtype, a.tokens, a.variants, a.max_new_tokens)
     else:
-        cfg = replace(FULL_CONFIG, decode_tokens=a.tokens, decode_variants=a.variants, decode_steps=a.steps,
-                      decode_reps=a.reps)
+        cfg = replace(
+            FULL_CONFIG, decode_tokens=a.tokens, decode_variants=a.variants, decode_steps=a.steps, decode_reps=a.reps
+        )
         r = child_decode(a.model, a.device, a.dtype, cfg, a.threads or torch.get_num_threads())
     print(json.dumps(r))
     return 0

@@ -23,18 +23,40 @@ from kvcert.bench.roofline import bench_roofline
 HEADLINE_CONFIG = "certificate+oracle"  # what the runner decodes with
 
 
-def run_bench(model, model_name: str, cfg: BenchConfig, device: str, dtype: str, out_dir: Path, quick: bool,
-              figure: Path | None, log=print, memory: bool = True, threads: bool = True, tokenizer=None,
-              roofline_figure: Path | None = None) -> dict:
+def run_bench(
+    model,
+    model_name: str,
+    cfg: BenchConfig,
+    device: str,
+    dtype: str,
+    out_dir: Path,
+    quick: bool,
+    figure: Path | None,
+    log=print,
+    memory: bool = True,
+    threads: bool = True,
+    tokenizer=None,
+    roofline_figure: Path | None = None,
+) -> dict:
     from kvcert.bench.child import bench_memory
 
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
-    res: dict = dict(model=model_name, device=device, dtype=dtype, quick=quick, config=asdict(cfg),
-                     env=dict(torch=torch.__version__, python=platform.python_version(),
-                              threads=torch.get_num_threads(), cpu_count=os.cpu_count(),
-                              omp_wait_policy=os.environ.get("OMP_WAIT_POLICY")),
-                     gpu_measured=torch.device(device).type == "cuda")
+    res: dict = dict(
+        model=model_name,
+        device=device,
+        dtype=dtype,
+        quick=quick,
+        config=asdict(cfg),
+        env=dict(
+            torch=torch.__version__,
+            python=platform.python_version(),
+            threads=torch.get_num_threads(),
+            cpu_count=os.cpu_count(),
+            omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+        ),
+        gpu_measured=torch.device(device).type == "cuda",
+    )
     with no_eos(model):
         log("1. shared prefill vs re-prefill")
         res["prefill"] = bench_prefill(model, cfg, device, log)
@@ -59,18 +81,21 @@ def run_bench(model, model_name: str, cfg: BenchConfig, device: str, dtype: str,
     res["headline"] = dict(variants=hv, tokens=ht)
     res["shared_prefill_speedup"] = head["speedup"]
     d = res["decode"]
-    res["certificate_overhead"] = median([c / p for c, p in zip(d["certificate"]["samples_s"],
-                                                                 d["plain"]["samples_s"])])
-    res["oracle_overhead"] = median([c / p for c, p in zip(d["certificate+oracle"]["samples_s"],
-                                                            d["certificate"]["samples_s"])])
+    res["certificate_overhead"] = median(
+        [c / p for c, p in zip(d["certificate"]["samples_s"], d["plain"]["samples_s"])]
+    )
+    res["oracle_overhead"] = median(
+        [c / p for c, p in zip(d["certificate+oracle"]["samples_s"], d["certificate"]["samples_s"])]
+    )
     res["oracle_vs_plain"] = d["certificate+oracle"]["step_s"] / d["plain"]["step_s"]
     res["scaling"] = scaling_exponents(res["prefill"])
     rows = res["roofline"]["rows"]
     rv = cfg.headline_variants if cfg.headline_variants in cfg.roofline_variants else max(cfg.roofline_variants)
     rt = cfg.headline_tokens if cfg.headline_tokens in cfg.roofline_lengths else min(cfg.roofline_lengths)
     rh = next(r for r in rows if r["variants"] == rv and r["tokens"] == rt and r["config"] == HEADLINE_CONFIG)
-    res["roofline_headline"] = dict(variants=rv, tokens=rt, config=HEADLINE_CONFIG, step_s=rh["step_s"],
-                                    limit_s=rh["limit_s"], bound=rh["bound"])
+    res["roofline_headline"] = dict(
+        variants=rv, tokens=rt, config=HEADLINE_CONFIG, step_s=rh["step_s"], limit_s=rh["limit_s"], bound=rh["bound"]
+    )
     res["roofline_multiple"] = rh["multiple"]
     res["example_speedup"] = res["examples"]["example_speedup"]
     res["wall_s"] = time.perf_counter() - t0
@@ -109,8 +134,9 @@ def bench_integration(model_name: str, device: str, dtype: str, out_dir: Path, l
             sync(device)
             t0 = time.perf_counter()
             with kvcert_attention_on(model):
-                forward_with_state(model, torch.tensor([ids], device=device), torch.arange(n, device=device)[None],
-                                   state)
+                forward_with_state(
+                    model, torch.tensor([ids], device=device), torch.arange(n, device=device)[None], state
+                )
             sync(device)
             times.append(time.perf_counter() - t0)
         res["prefill_s"][n] = min(times)
@@ -121,19 +147,27 @@ def bench_integration(model_name: str, device: str, dtype: str, out_dir: Path, l
             cfg = replace(FULL_CONFIG, decode_tokens=1024, decode_variants=variants, decode_steps=8, decode_reps=3)
             d = bench_decode(model, cfg, device, log)
             res["decode_ms"][variants] = {k: v["step_s"] * 1e3 for k, v in d.items()}
-    lines = ["| measurement | value |", "|---|---|",
-             f"| load, first (GGUF dequantize + convert to safetensors) | {res['load_first_s']:.1f} s |",
-             f"| load, cached safetensors | {res['load_cached_s']:.1f} s |"]
-    lines += [f"| prefill, {n} tokens (exact attention, records the oracle) | {t:.2f} s |"
-              for n, t in res["prefill_s"].items()]
+    lines = [
+        "| measurement | value |",
+        "|---|---|",
+        f"| load, first (GGUF dequantize + convert to safetensors) | {res['load_first_s']:.1f} s |",
+        f"| load, cached safetensors | {res['load_cached_s']:.1f} s |",
+    ]
+    lines += [
+        f"| prefill, {n} tokens (exact attention, records the oracle) | {t:.2f} s |"
+        for n, t in res["prefill_s"].items()
+    ]
     for variants, d in res["decode_ms"].items():
-        lines.append(f"| decode step, {variants} variant(s), 1k tokens: plain / + certificate / + oracle | "
-                     f"{d['plain']:.0f} / {d['certificate']:.0f} / {d['certificate+oracle']:.0f} ms |")
+        lines.append(
+            f"| decode step, {variants} variant(s), 1k tokens: plain / + certificate / + oracle | "
+            f"{d['plain']:.0f} / {d['certificate']:.0f} / {d['certificate+oracle']:.0f} ms |"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = torch.device(device).type
     (out_dir / f"integration_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")
     (out_dir / f"integration_{tag}.md").write_text(
-        f"# kvcert inside transformers ({tag}, {dtype}, {res['threads']} threads)\n\n" + "\n".join(lines) + "\n")
+        f"# kvcert inside transformers ({tag}, {dtype}, {res['threads']} threads)\n\n" + "\n".join(lines) + "\n"
+    )
     return res
 
 
@@ -141,22 +175,36 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcert.bench", description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1k tokens, fewer repetitions (a few minutes on a quiet CPU)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                    help="weights dtype (default float32 on CPU, bfloat16 on CUDA)")
-    ap.add_argument("--out", default=None,
-                    help="default results/bench (full) or results/bench/quick (--quick: never overwrites the full one)")
-    ap.add_argument("--figure", default=None, help="scaling figure (default results/figures/bench_scaling.png, "
-                    "--quick: <out>/bench_scaling.png); the roofline figure goes beside it as bench_roofline.png")
+    ap.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="weights dtype (default float32 on CPU, bfloat16 on CUDA)",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default results/bench (full) or results/bench/quick (--quick: never overwrites the full one)",
+    )
+    ap.add_argument(
+        "--figure",
+        default=None,
+        help="scaling figure (default results/figures/bench_scaling.png, "
+        "--quick: <out>/bench_scaling.png); the roofline figure goes beside it as bench_roofline.png",
+    )
     ap.add_argument("--model", default=DEFAULT_MODEL, help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=None, help="torch threads on CPU (default 1, see section 5)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
-    ap.add_argument("--integration", action="store_true",
-                    help="only the load / prefill / decode-step table of the HF integration")
+    ap.add_argument(
+        "--integration", action="store_true", help="only the load / prefill / decode-step table of the HF integration"
+    )
     args = ap.parse_args(argv)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("error: --device cuda but torch.cuda.is_available() is False (CPU-only torch build or no GPU)",
-              file=sys.stderr)
+        print(
+            "error: --device cuda but torch.cuda.is_available() is False (CPU-only torch build or no GPU)",
+            file=sys.stderr,
+        )
         return 2
     cfg = QUICK_CONFIG if args.quick else FULL_CONFIG
     args.out = args.out or ("results/bench/quick" if args.quick else "results/bench")
@@ -169,10 +217,23 @@ def main(argv=None) -> int:
         print((Path(args.out) / f"integration_{torch.device(args.device).type}.md").read_text())
         return 0
     model, tok = load(args.model, args.device, dtype)
-    res = run_bench(model, args.model, cfg, args.device, dtype, Path(args.out), args.quick, Path(args.figure),
-                    log=lambda m: print(m, flush=True), memory=not args.no_memory, tokenizer=tok)
+    res = run_bench(
+        model,
+        args.model,
+        cfg,
+        args.device,
+        dtype,
+        Path(args.out),
+        args.quick,
+        Path(args.figure),
+        log=lambda m: print(m, flush=True),
+        memory=not args.no_memory,
+        tokenizer=tok,
+    )
     sp = res["example_speedup"]
-    print(f"shared_prefill_speedup {res['shared_prefill_speedup']:.2f}x, certificate_overhead "
-          f"{res['certificate_overhead']:.3f}x, roofline_multiple {res['roofline_multiple']:.1f}x, example_speedup "
-          f"{'n/a' if sp is None else f'{sp:.2f}x'} -> {args.out}")
+    print(
+        f"shared_prefill_speedup {res['shared_prefill_speedup']:.2f}x, certificate_overhead "
+        f"{res['certificate_overhead']:.3f}x, roofline_multiple {res['roofline_multiple']:.1f}x, example_speedup "
+        f"{'n/a' if sp is None else f'{sp:.2f}x'} -> {args.out}"
+    )
     return 0

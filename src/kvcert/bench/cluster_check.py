@@ -29,20 +29,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 # one tiny cell: the packaged model, one example at 500 tokens, 4 new tokens; the sweep is over the budget
-CELL = ["+debug=smoke", "task.tasks=[single_needle]", "task.n_examples=1", "decode.max_new_tokens=4", "threads=1",
-        "name=null", "hydra/job_logging=disabled"]
+CELL = [
+    "+debug=smoke",
+    "task.tasks=[single_needle]",
+    "task.n_examples=1",
+    "decode.max_new_tokens=4",
+    "threads=1",
+    "name=null",
+    "hydra/job_logging=disabled",
+]
 SWEEP = ["budget=0.25,0.5"]
 LAUNCHERS = {
     "basic": ["hydra/launcher=basic"],
     # the plugin's own local executor: BaseSubmititLauncher.launch / __call__ exactly as under SLURM (pickled
     # launcher, submitit job folders, results read back), only the sbatch submission is replaced by local processes
-    "submitit_local": ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=30",
-                       "hydra.launcher.cpus_per_task=1"],
+    "submitit_local": [
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=30",
+        "hydra.launcher.cpus_per_task=1",
+    ],
     # our ray_cluster config (address, num_cpus) pointed at the head this script starts
     "ray_cluster": ["hydra/launcher=ray_cluster", "hydra.launcher.ray.remote.num_cpus=1"],
 }
-PLUGIN_MODULES = {"submitit_local": ("hydra_plugins.hydra_submitit_launcher", "submitit"),
-                  "ray_cluster": ("hydra_plugins.hydra_ray_launcher", "ray")}
+PLUGIN_MODULES = {
+    "submitit_local": ("hydra_plugins.hydra_submitit_launcher", "submitit"),
+    "ray_cluster": ("hydra_plugins.hydra_ray_launcher", "ray"),
+}
 
 
 def log(msg: str) -> None:
@@ -106,22 +118,39 @@ class RayHead:
 
     def start(self, timeout: float = 120) -> None:
         ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-        cmd = [ray, "start", "--head", "--block", f"--port={self.port}", "--num-cpus=2", "--num-gpus=0",
-               "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={self.temp}",
-               f"--ray-client-server-port={_free_port()}", f"--dashboard-agent-listen-port={_free_port()}",
-               f"--dashboard-agent-grpc-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}",
-               f"--metrics-export-port={_free_port()}", "--object-store-memory=100000000"]
+        cmd = [
+            ray,
+            "start",
+            "--head",
+            "--block",
+            f"--port={self.port}",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={self.temp}",
+            f"--ray-client-server-port={_free_port()}",
+            f"--dashboard-agent-listen-port={_free_port()}",
+            f"--dashboard-agent-grpc-port={_free_port()}",
+            f"--runtime-env-agent-port={_free_port()}",
+            f"--metrics-export-port={_free_port()}",
+            "--object-store-memory=100000000",
+        ]
         log(f"starting Ray head: {' '.join(cmd[1:4])} ... (temp dir {self.temp})")
         with open(self.log_path, "w") as head_log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=head_log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {self.proc.returncode}: "
-                                   + " | ".join(self.log_path.read_text().splitlines()[-5:]))
-            res = subprocess.run([ray, "status", f"--address={self.address}"], env=self.env, capture_output=True,
-                                 text=True, timeout=60)
+                raise RuntimeError(
+                    f"ray start exited with {self.proc.returncode}: "
+                    + " | ".join(self.log_path.read_text().splitlines()[-5:])
+                )
+            res = subprocess.run(
+                [ray, "status", f"--address={self.address}"], env=self.env, capture_output=True, text=True, timeout=60
+            )
             if res.returncode == 0:
                 log(f"Ray head up at {self.address} (pid {self.proc.pid}, process group {self.proc.pid})")
                 return
@@ -167,8 +196,18 @@ def _group_pids(pgid: int) -> list[int]:
 def run_sweep(launcher: str, work: Path, env: dict[str, str], extra: list[str], timeout: float) -> dict:
     results_dir, sweep_dir = work / launcher / "runs", work / launcher / "multirun"
     shutil.rmtree(work / launcher, ignore_errors=True)
-    cmd = [sys.executable, "-m", "kvcert.run", "-m", *CELL, *LAUNCHERS[launcher], *extra, *SWEEP,
-           f"results_dir={results_dir}", f"hydra.sweep.dir={sweep_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvcert.run",
+        "-m",
+        *CELL,
+        *LAUNCHERS[launcher],
+        *extra,
+        *SWEEP,
+        f"results_dir={results_dir}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     log(f"{launcher}: {' '.join(cmd[2:])}")
     t0 = time.perf_counter()
     try:
@@ -188,8 +227,10 @@ def run_sweep(launcher: str, work: Path, env: dict[str, str], extra: list[str], 
 def read_records(folder: Path) -> dict:
     import pandas as pd
 
-    out = {"complete": (folder / "COMPLETE").exists(), "config": (folder / "config.yaml").read_text()
-           if (folder / "config.yaml").exists() else None}
+    out = {
+        "complete": (folder / "COMPLETE").exists(),
+        "config": (folder / "config.yaml").read_text() if (folder / "config.yaml").exists() else None,
+    }
     for name in ("examples", "steps"):
         path = folder / f"{name}.parquet"
         df = pd.read_parquet(path) if path.exists() else None
@@ -315,8 +356,11 @@ def main(argv=None) -> int:
     (out / "cluster_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     lines = ["| launcher | outcome | wall (s) | detail |", "|---|---|---|---|"]
     for name, e in report["launchers"].items():
-        detail = e.get("reason") or e.get("error") or ("; ".join(e.get("tail", [])[-2:]) if e.get("rc") else
-                                                         f"{len(e.get('folders', []))} result folders")
+        detail = (
+            e.get("reason")
+            or e.get("error")
+            or ("; ".join(e.get("tail", [])[-2:]) if e.get("rc") else f"{len(e.get('folders', []))} result folders")
+        )
         lines.append(f"| {name} | {e.get('status')} | {e.get('wall_s', 0):.0f} | {detail} |")
     (out / "cluster_check.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

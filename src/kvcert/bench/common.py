@@ -51,10 +51,25 @@ class BenchConfig:
 
 
 FULL_CONFIG = BenchConfig()
-QUICK_CONFIG = BenchConfig(lengths=(1024,), variants=(1, 8, 24), prefill_reps=(1,), decode_steps=6, decode_reps=3,
-                           attention_reps=20, thread_reps=1, omp_reps=0, memory_lengths=(1024,),
-                           memory_variants=(24,), roofline_lengths=(1024,), roofline_steps=5, roofline_reps=2,
-                           bandwidth_mb=256, machine_reps=3, example_tasks=2, example_lengths=(1024,))
+QUICK_CONFIG = BenchConfig(
+    lengths=(1024,),
+    variants=(1, 8, 24),
+    prefill_reps=(1,),
+    decode_steps=6,
+    decode_reps=3,
+    attention_reps=20,
+    thread_reps=1,
+    omp_reps=0,
+    memory_lengths=(1024,),
+    memory_variants=(24,),
+    roofline_lengths=(1024,),
+    roofline_steps=5,
+    roofline_reps=2,
+    bandwidth_mb=256,
+    machine_reps=3,
+    example_tasks=2,
+    example_lengths=(1024,),
+)
 
 
 def policy_grid(n: int):
@@ -63,8 +78,12 @@ def policy_grid(n: int):
 
     grid = [Policy(scorer=s, design=d, budget=b) for b in BUDGETS for s in SCORERS for d in DESIGNS]
     if n > len(grid):
-        grid += [Policy(scorer=s, design="randomized", budget=b, seed=k) for k in range(1, n) for b in BUDGETS
-                 for s in SCORERS]
+        grid += [
+            Policy(scorer=s, design="randomized", budget=b, seed=k)
+            for k in range(1, n)
+            for b in BUDGETS
+            for s in SCORERS
+        ]
     return grid[:n]
 
 
@@ -162,5 +181,7 @@ def before_after_options(opts) -> tuple[object, object | None]:
     names = {f.name for f in dataclasses.fields(opts)}
     if not set(AFTER_FIELDS) <= names:
         return opts, None
-    return (dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, False)),
-            dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, True)))
+    return (
+        dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, False)),
+        dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, True)),
+    )

@@ -53,14 +53,25 @@ def bench_prefill(model, cfg, device, log) -> list[dict]:
                 else:
                     solo[x] = run_generate(model, ids, qs, [grid[x]], opts, device)[0]
             solo_totals.append(solo)
-            log(f"  prefill n={n} rep {rep + 1}/{reps}: shared " + ", ".join(
-                f"N={v}: {shared[v][-1]:.2f}s" for v in cfg.variants) + f"; solo sum N={n_max}: {sum(solo):.2f}s")
+            log(
+                f"  prefill n={n} rep {rep + 1}/{reps}: shared "
+                + ", ".join(f"N={v}: {shared[v][-1]:.2f}s" for v in cfg.variants)
+                + f"; solo sum N={n_max}: {sum(solo):.2f}s"
+            )
         for v in cfg.variants:
             re = [sum(s[:v]) for s in solo_totals]
-            rows.append(dict(tokens=n, variants=v, reps=reps, shared_s=median(shared[v]), reprefill_s=median(re),
-                             speedup=median([r / s for r, s in zip(re, shared[v])]),
-                             decode_step_s=median(shared_step[v]),
-                             solo_one_variant_s=median([s[0] for s in solo_totals])))
+            rows.append(
+                dict(
+                    tokens=n,
+                    variants=v,
+                    reps=reps,
+                    shared_s=median(shared[v]),
+                    reprefill_s=median(re),
+                    speedup=median([r / s for r, s in zip(re, shared[v])]),
+                    decode_step_s=median(shared_step[v]),
+                    solo_one_variant_s=median([s[0] for s in solo_totals]),
+                )
+            )
     return rows
 
 
@@ -102,19 +113,23 @@ def bench_attention_only(cfg, device, head_dim=64, n_kv=3, group=3) -> dict:
         sync(device)
         t0 = time.perf_counter()
         for _ in range(10):
-            hajek_attention(q, k, v, off, scale=scale, one_minus_pi=omp if cert else None, variance_slots=s,
-                            value_sq_norms=vsq)
+            hajek_attention(
+                q, k, v, off, scale=scale, one_minus_pi=omp if cert else None, variance_slots=s, value_sq_norms=vsq
+            )
         sync(device)
         return (time.perf_counter() - t0) / 10
 
     once(True)
     plain, cert = [], []
     for rep in range(cfg.attention_reps):
-        for c in ((False, True) if rep % 2 == 0 else (True, False)):
+        for c in (False, True) if rep % 2 == 0 else (True, False):
             (cert if c else plain).append(once(c))
-    return dict(shape=dict(variants=b, kv_heads=n_kv, group=group, kept=m, tail_slots=s, head_dim=head_dim),
-                plain_s=median(plain), certificate_s=median(cert),
-                ratio=median([c / p for c, p in zip(cert, plain)]))
+    return dict(
+        shape=dict(variants=b, kv_heads=n_kv, group=group, kept=m, tail_slots=s, head_dim=head_dim),
+        plain_s=median(plain),
+        certificate_s=median(cert),
+        ratio=median([c / p for c, p in zip(cert, plain)]),
+    )
 
 
 # ----------------------------------------------------------------------------------------------- 5. threads
@@ -144,19 +159,39 @@ def bench_threads(model, model_name, cfg, device, dtype, log) -> dict:
     log("  threads: " + ", ".join(f"{c}: {t * 1e3:.1f} ms/step" for c, t in threads.items()))
     omp: dict[str, list[float]] = {"default": [], "PASSIVE": []}
     if cfg.omp_reps > 0:
-        child = ["decode", "--model", model_name, "--device", device, "--dtype", dtype, "--threads", str(max(counts)),
-                 "--tokens", str(dcfg.decode_tokens), "--variants", str(dcfg.decode_variants),
-                 "--steps", str(dcfg.decode_steps), "--reps", "2"]
+        child = [
+            "decode",
+            "--model",
+            model_name,
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--threads",
+            str(max(counts)),
+            "--tokens",
+            str(dcfg.decode_tokens),
+            "--variants",
+            str(dcfg.decode_variants),
+            "--steps",
+            str(dcfg.decode_steps),
+            "--reps",
+            "2",
+        ]
         for rep in range(cfg.omp_reps):
             for k in rotate(list(omp), rep):
                 extra = {"OMP_WAIT_POLICY": "PASSIVE"} if k == "PASSIVE" else {}
                 omp[k].append(run_child(child, extra, drop=("OMP_WAIT_POLICY",))["step_s"])
         log("  OMP_WAIT_POLICY: " + ", ".join(f"{k}: {median(v) * 1e3:.1f} ms/step" for k, v in omp.items()))
     omp_med = {k: median(v) for k, v in omp.items() if v}
-    return dict(num_threads_step_s=threads, best_num_threads=int(best), default_num_threads=before,
-                omp_wait_policy_step_s=omp_med,
-                best_omp_wait_policy=min(omp_med, key=omp_med.get) if omp_med else None,
-                passive_vs_default=(omp_med["PASSIVE"] / omp_med["default"]) if len(omp_med) == 2 else None)
+    return dict(
+        num_threads_step_s=threads,
+        best_num_threads=int(best),
+        default_num_threads=before,
+        omp_wait_policy_step_s=omp_med,
+        best_omp_wait_policy=min(omp_med, key=omp_med.get) if omp_med else None,
+        passive_vs_default=(omp_med["PASSIVE"] / omp_med["default"]) if len(omp_med) == 2 else None,
+    )
 
 
 # ------------------------------------------------------------------------------ 6. end to end, before / after
@@ -194,17 +229,34 @@ def confirmatory_workload(model, tokenizer, cfg) -> tuple[list, list[dict], obje
 
         for length in cfg.example_lengths:
             for task in tasks:
-                for ex in make_examples(task, cfg.example_per_cell, int(length), tokenizer, seed=int(ccfg.seed),
-                                        source=ccfg.task.source):
+                for ex in make_examples(
+                    task, cfg.example_per_cell, int(length), tokenizer, seed=int(ccfg.seed), source=ccfg.task.source
+                ):
                     r = render(ex, tokenizer)
-                    prompts.append(dict(id=ex.id, task=task, tokens=len(r.input_ids), ids=r.input_ids,
-                                        question_start=r.question_start, stop=tuple(r.stop_strings)))
+                    prompts.append(
+                        dict(
+                            id=ex.id,
+                            task=task,
+                            tokens=len(r.input_ids),
+                            ids=r.input_ids,
+                            question_start=r.question_start,
+                            stop=tuple(r.stop_strings),
+                        )
+                    )
     else:
         for length in cfg.example_lengths:
             for k in range(len(tasks) * cfg.example_per_cell):
                 ids, qs = synthetic_prompt(model, int(length), seed=k)
-                prompts.append(dict(id=f"synthetic-{length}-{k}", task="synthetic", tokens=len(ids), ids=ids,
-                                    question_start=qs, stop=()))
+                prompts.append(
+                    dict(
+                        id=f"synthetic-{length}-{k}",
+                        task="synthetic",
+                        tokens=len(ids),
+                        ids=ids,
+                        question_start=qs,
+                        stop=(),
+                    )
+                )
     return variants, prompts, ccfg.decode
 
 
@@ -214,13 +266,25 @@ def bench_examples(model, tokenizer, cfg, device, log) -> dict:
     from kvcert.hf import DecodeOptions
 
     variants, prompts, d = confirmatory_workload(model, tokenizer, cfg)
-    base = DecodeOptions(max_new_tokens=int(d.max_new_tokens), oracle=bool(d.oracle), certificate=bool(d.certificate),
-                         context_window=int(d.context_window), pool_kernel=int(d.pool_kernel))
+    base = DecodeOptions(
+        max_new_tokens=int(d.max_new_tokens),
+        oracle=bool(d.oracle),
+        certificate=bool(d.certificate),
+        context_window=int(d.context_window),
+        pool_kernel=int(d.pool_kernel),
+    )
     before0, after0 = before_after_options(base)
     modes = {"before": before0} if after0 is None else {"before": before0, "after": after0}
     warm = prompts[0]
-    run_generate(model, warm["ids"][:256] if len(warm["ids"]) > 256 else warm["ids"],  # warm-up
-                 min(warm["question_start"], 200), variants[:2], DecodeOptions(max_new_tokens=2), device, tokenizer)
+    run_generate(
+        model,
+        warm["ids"][:256] if len(warm["ids"]) > 256 else warm["ids"],  # warm-up
+        min(warm["question_start"], 200),
+        variants[:2],
+        DecodeOptions(max_new_tokens=2),
+        device,
+        tokenizer,
+    )
     times: dict[str, list[float]] = {k: [] for k in modes}
     rows, same = [], []
     for i, p in enumerate(prompts):
@@ -231,14 +295,28 @@ def bench_examples(model, tokenizer, cfg, device, log) -> dict:
                 total, _, res = run_generate(model, p["ids"], p["question_start"], variants, opts, device, tokenizer)
                 times[k].append(total)
                 answers[k] = [r.answer for r in res]
-                rows.append(dict(example=p["id"], task=p["task"], tokens=p["tokens"], mode=k, seconds=total,
-                                 answer_tokens=sum(r.n_answer for r in res)))
+                rows.append(
+                    dict(
+                        example=p["id"],
+                        task=p["task"],
+                        tokens=p["tokens"],
+                        mode=k,
+                        seconds=total,
+                        answer_tokens=sum(r.n_answer for r in res),
+                    )
+                )
             if "after" in answers:
                 same.append(sum(a == b for a, b in zip(answers["before"], answers["after"])) / len(variants))
         log(f"  example {p['id']} ({p['tokens']} tokens): " + ", ".join(f"{k} {v[-1]:.2f}s" for k, v in times.items()))
-    out = dict(variants=len(variants), examples=len(prompts), reps=cfg.example_reps, rows=rows,
-               available_after=after0 is not None,
-               tasks=sorted({p["task"] for p in prompts}), lengths=sorted({p["tokens"] for p in prompts}))
+    out = dict(
+        variants=len(variants),
+        examples=len(prompts),
+        reps=cfg.example_reps,
+        rows=rows,
+        available_after=after0 is not None,
+        tasks=sorted({p["task"] for p in prompts}),
+        lengths=sorted({p["tokens"] for p in prompts}),
+    )
     for k in ("before", "after"):
         if k in times:
             s = sum(times[k]) / len(times[k])

@@ -54,8 +54,13 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
         (line,) = ax.plot(xs, [p[1] for p in pts], "o-", label=f"shared, {v} variants")
         if v > 1:
             ax.plot(xs, [p[2] for p in pts], "s--", color=line.get_color(), label=f"re-prefill, {v} variants")
-    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="seconds per example (prefill + decode)",
-           title="total cost vs context length")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context tokens",
+        ylabel="seconds per example (prefill + decode)",
+        title="total cost vs context length",
+    )
     ax.legend(fontsize=7)
     ax = axes[1]
     for n in lengths:
@@ -68,8 +73,13 @@ def plot_scaling(rows: list[dict], path: Path) -> None:
     for n in lengths:
         pts = sorted((r["variants"], r["decode_step_s"]) for r in rows if r["tokens"] == n)
         ax.plot([p[0] for p in pts], [p[1] * 1e3 for p in pts], "o-", label=f"{n} tokens")
-    ax.set(xscale="log", yscale="log", xlabel="variants", ylabel="ms per decode step (all variants)",
-           title="decode step (certificate + oracle)")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="variants",
+        ylabel="ms per decode step (all variants)",
+        title="decode step (certificate + oracle)",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,12 +103,23 @@ def plot_roofline(roof: dict, path: Path) -> None:
         ax.plot(grid, [min(f, i * bw) / 1e9 for i in grid], "-", lw=1, label=f"roof, M={m}")
     markers = {"plain": "o", "certificate": "s", "certificate+oracle": "^"}
     for r in rows:
-        ax.scatter(r["intensity"], r["achieved_flops_per_s"] / 1e9, marker=markers.get(r["config"], "o"), s=25,
-                   c=f"C{sorted({x['variants'] for x in rows}).index(r['variants'])}")
-        ax.annotate(f"{r['variants']}v/{r['tokens'] // 1024}k", (r["intensity"], r["achieved_flops_per_s"] / 1e9),
-                    fontsize=5)
-    ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity (flop / byte)", ylabel="GFLOP/s",
-           title="decode step on the measured roofline")
+        ax.scatter(
+            r["intensity"],
+            r["achieved_flops_per_s"] / 1e9,
+            marker=markers.get(r["config"], "o"),
+            s=25,
+            c=f"C{sorted({x['variants'] for x in rows}).index(r['variants'])}",
+        )
+        ax.annotate(
+            f"{r['variants']}v/{r['tokens'] // 1024}k", (r["intensity"], r["achieved_flops_per_s"] / 1e9), fontsize=5
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="arithmetic intensity (flop / byte)",
+        ylabel="GFLOP/s",
+        title="decode step on the measured roofline",
+    )
     ax.legend(fontsize=7)
     ax = axes[1]
     for cfg, mk in markers.items():
@@ -107,8 +128,13 @@ def plot_roofline(roof: dict, path: Path) -> None:
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=mk, label=f"{cfg}, {n} tokens")
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="variants", ylabel="measured step / limit",
-           title="how far from the machine's limit")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="variants",
+        ylabel="measured step / limit",
+        title="how far from the machine's limit",
+    )
     ax.legend(fontsize=6)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -135,9 +161,12 @@ def write_markdown(res: dict, path: Path) -> None:
         "",
     ]
     if torch.device(res["device"]).type == "cpu":
-        lines += ["**GPU figures were not measured**: no GPU was available. The CUDA/bf16 path (`--device cuda "
-                  "--dtype bfloat16`) keeps bf16 weights and runs the compressed-cache attention, certificate and "
-                  "oracle in fp32; it is correct by inspection only.", ""]
+        lines += [
+            "**GPU figures were not measured**: no GPU was available. The CUDA/bf16 path (`--device cuda "
+            "--dtype bfloat16`) keeps bf16 weights and runs the compressed-cache attention, certificate and "
+            "oracle in fp32; it is correct by inspection only.",
+            "",
+        ]
     roof = res.get("roofline") or {}
     rl = res.get("roofline_headline") or {}
     lines += [
@@ -166,69 +195,111 @@ def write_markdown(res: dict, path: Path) -> None:
         "|---|---|---|---|---|---|---|",
     ]
     for r in res["prefill"]:
-        lines.append(f"| {r['tokens']} | {r['variants']} | {r['reps']} | {r['shared_s']:.2f} | {r['reprefill_s']:.2f} "
-                     f"| {r['speedup']:.2f}x | {r['decode_step_s'] * 1e3:.1f} |")
+        lines.append(
+            f"| {r['tokens']} | {r['variants']} | {r['reps']} | {r['shared_s']:.2f} | {r['reprefill_s']:.2f} "
+            f"| {r['speedup']:.2f}x | {r['decode_step_s'] * 1e3:.1f} |"
+        )
     dc = res["config"]
-    lines += ["", f"## 2. Decode step ({dc['decode_variants']} variants, {dc['decode_tokens']} tokens, "
-              f"{dc['decode_steps']} steps x {dc['decode_reps']} reps; prefill excluded; step = interval between "
-              "consecutive `on_step` callbacks)", "",
-              "| configuration | ms per step | vs plain |", "|---|---|---|"]
+    lines += [
+        "",
+        f"## 2. Decode step ({dc['decode_variants']} variants, {dc['decode_tokens']} tokens, "
+        f"{dc['decode_steps']} steps x {dc['decode_reps']} reps; prefill excluded; step = interval between "
+        "consecutive `on_step` callbacks)",
+        "",
+        "| configuration | ms per step | vs plain |",
+        "|---|---|---|",
+    ]
     for k, v in d.items():
         lines.append(f"| {k} | {v['step_s'] * 1e3:.1f} | {v['step_s'] / d['plain']['step_s']:.3f}x |")
     a = res["attention_only"]
-    lines += ["", f"Attention kernel alone (`hajek_attention`, shape {a['shape']}): plain {a['plain_s'] * 1e3:.3f} ms, "
-              f"with certificate {a['certificate_s'] * 1e3:.3f} ms ({a['ratio']:.3f}x).", ""]
+    lines += [
+        "",
+        f"Attention kernel alone (`hajek_attention`, shape {a['shape']}): plain {a['plain_s'] * 1e3:.3f} ms, "
+        f"with certificate {a['certificate_s'] * 1e3:.3f} ms ({a['ratio']:.3f}x).",
+        "",
+    ]
     sc = res["scaling"]
-    lines += ["## 3. Scaling (log-log slopes; figure `bench_scaling.png`)", "",
-              "| cost | slope vs tokens (per variants) | slope vs variants (per tokens) |", "|---|---|---|"]
+    lines += [
+        "## 3. Scaling (log-log slopes; figure `bench_scaling.png`)",
+        "",
+        "| cost | slope vs tokens (per variants) | slope vs variants (per tokens) |",
+        "|---|---|---|",
+    ]
     for k, v in sc.items():
         fmt = lambda m: ", ".join(f"{a}: {b:.2f}" for a, b in m.items()) or "-"  # noqa: E731
         lines.append(f"| {k} | {fmt(v['vs_tokens'])} | {fmt(v['vs_variants'])} |")
-    lines += ["", "## 4. Peak memory (fresh subprocess per configuration; peak sampled RSS over a warmed-up baseline)",
-              "", "| tokens | variants | peak delta (MB) | baseline RSS (MB) |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## 4. Peak memory (fresh subprocess per configuration; peak sampled RSS over a warmed-up baseline)",
+        "",
+        "| tokens | variants | peak delta (MB) | baseline RSS (MB) |",
+        "|---|---|---|---|",
+    ]
     for r in res["memory"]:
         extra = f" (GPU {r['gpu_peak_delta_mb']:.0f})" if "gpu_peak_delta_mb" in r else ""
-        lines.append(f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | "
-                     f"{r['rss_baseline_mb']:.0f} |")
+        lines.append(
+            f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | {r['rss_baseline_mb']:.0f} |"
+        )
     if "num_threads_step_s" in t:
-        lines += ["", "## 5. Thread settings (decode step, certificate on, oracle off)", "",
-                  "| setting | ms per step |", "|---|---|"]
+        lines += [
+            "",
+            "## 5. Thread settings (decode step, certificate on, oracle off)",
+            "",
+            "| setting | ms per step |",
+            "|---|---|",
+        ]
         lines += [f"| torch.set_num_threads({c}) | {s * 1e3:.1f} |" for c, s in t["num_threads_step_s"].items()]
-        lines += [f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |"
-                  for k, s in t["omp_wait_policy_step_s"].items()]
+        lines += [
+            f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |" for k, s in t["omp_wait_policy_step_s"].items()
+        ]
         best_omp = f"; OMP_WAIT_POLICY {t['best_omp_wait_policy']}" if t.get("best_omp_wait_policy") else ""
         lines += ["", f"Faster: {t['best_num_threads']} thread(s){best_omp}."]
     if ex:
-        lines += ["", f"## 6. End to end: confirmatory examples, before vs after ({ex['variants']} variants, tasks "
-                  f"{', '.join(ex['tasks'])}, prompt tokens {ex['lengths']}, {ex['examples']} examples x "
-                  f"{ex['reps']} rep(s), interleaved)", "",
-                  "Before = today's decode (`DecodeOptions(one_batch=False, drop_finished=False)`: question-aware "
-                  "and question-agnostic variants decode in two batches, finished variants stay in the batch); "
-                  "after = both True. Seconds per example = prefill + compression + decode of all variants with "
-                  "certificate and oracle, EOS and stop strings on (model load excluded).", "",
-                  "| mode | seconds per example | examples per hour |", "|---|---|---|"]
+        lines += [
+            "",
+            f"## 6. End to end: confirmatory examples, before vs after ({ex['variants']} variants, tasks "
+            f"{', '.join(ex['tasks'])}, prompt tokens {ex['lengths']}, {ex['examples']} examples x "
+            f"{ex['reps']} rep(s), interleaved)",
+            "",
+            "Before = today's decode (`DecodeOptions(one_batch=False, drop_finished=False)`: question-aware "
+            "and question-agnostic variants decode in two batches, finished variants stay in the batch); "
+            "after = both True. Seconds per example = prefill + compression + decode of all variants with "
+            "certificate and oracle, EOS and stop strings on (model load excluded).",
+            "",
+            "| mode | seconds per example | examples per hour |",
+            "|---|---|---|",
+        ]
         for k in ("before", "after"):
             v = ex.get(k)
-            lines.append(f"| {k} | {_fmt(v and v['seconds_per_example'])} | "
-                         f"{_fmt(v and v['examples_per_hour'], '.0f')} |")
+            lines.append(
+                f"| {k} | {_fmt(v and v['seconds_per_example'])} | {_fmt(v and v['examples_per_hour'], '.0f')} |"
+            )
         if not ex.get("available_after"):
             lines += ["", "'after' is n/a: this checkout's `DecodeOptions` has no `one_batch` / `drop_finished`."]
         elif ex.get("answers_identical") is not None:
             lines += ["", f"Answers identical before vs after: {ex['answers_identical']:.1%} of variants."]
     if roof:
         m = roof["machine"]
-        lines += ["", "## 7. Roofline (figure `bench_roofline.png`, beside the scaling figure)", "",
-                  f"Machine, measured in this run at {m['bandwidth']['threads']} thread(s): read bandwidth "
-                  f"{m['bandwidth']['read_Bps'] / 1e9:.1f} GB/s (sum over {m['bandwidth']['tensor_mb']} MiB; copy "
-                  f"{m['bandwidth']['copy_Bps'] / 1e9:.1f} GB/s), matmul "
-                  + ", ".join(f"M={k}: {v['flops_per_s'] / 1e9:.1f}" for k, v in m["matmul"].items())
-                  + f" GFLOP/s (F.linear, K={roof['shape']['hidden']}, N={roof['shape']['intermediate']}). "
-                  f"The {roof['formula']}; bytes and flops per step are counted as in `kvcert.bench.roofline` "
-                  f"(weights {roof['shape']['weight_bytes'] / 2**20:.0f} MiB per step).", "",
-                  "| tokens | variants | config | step (ms) | MiB / step | GFLOP / step | bound | limit (ms) | "
-                  "multiple | multiple (sum limit) |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## 7. Roofline (figure `bench_roofline.png`, beside the scaling figure)",
+            "",
+            f"Machine, measured in this run at {m['bandwidth']['threads']} thread(s): read bandwidth "
+            f"{m['bandwidth']['read_Bps'] / 1e9:.1f} GB/s (sum over {m['bandwidth']['tensor_mb']} MiB; copy "
+            f"{m['bandwidth']['copy_Bps'] / 1e9:.1f} GB/s), matmul "
+            + ", ".join(f"M={k}: {v['flops_per_s'] / 1e9:.1f}" for k, v in m["matmul"].items())
+            + f" GFLOP/s (F.linear, K={roof['shape']['hidden']}, N={roof['shape']['intermediate']}). "
+            f"The {roof['formula']}; bytes and flops per step are counted as in `kvcert.bench.roofline` "
+            f"(weights {roof['shape']['weight_bytes'] / 2**20:.0f} MiB per step).",
+            "",
+            "| tokens | variants | config | step (ms) | MiB / step | GFLOP / step | bound | limit (ms) | "
+            "multiple | multiple (sum limit) |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in roof["rows"]:
-            lines.append(f"| {r['tokens']} | {r['variants']} | {r['config']} | {r['step_s'] * 1e3:.1f} | "
-                         f"{r['bytes'] / 2**20:.0f} | {r['flops'] / 1e9:.2f} | {r['bound']} | "
-                         f"{r['limit_s'] * 1e3:.2f} | {r['multiple']:.1f}x | {r['multiple_sum']:.1f}x |")
+            lines.append(
+                f"| {r['tokens']} | {r['variants']} | {r['config']} | {r['step_s'] * 1e3:.1f} | "
+                f"{r['bytes'] / 2**20:.0f} | {r['flops'] / 1e9:.2f} | {r['bound']} | "
+                f"{r['limit_s'] * 1e3:.2f} | {r['multiple']:.1f}x | {r['multiple_sum']:.1f}x |"
+            )
     path.write_text("\n".join(lines) + "\n")

@@ -67,11 +67,18 @@ class ModelShape:
             seen.add(p.data_ptr())
             weight_bytes += p.numel() * p.element_size()
         linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-        return cls(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size,
-                   intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
-                   q_heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-                   vocab=cfg.vocab_size, weight_bytes=weight_bytes,
-                   embed_row_bytes=0 if tied else emb.shape[1] * emb.element_size(), linear_params=linear)
+        return cls(
+            layers=cfg.num_hidden_layers,
+            hidden=cfg.hidden_size,
+            intermediate=getattr(cfg, "intermediate_size", 4 * cfg.hidden_size),
+            q_heads=cfg.num_attention_heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            vocab=cfg.vocab_size,
+            weight_bytes=weight_bytes,
+            embed_row_bytes=0 if tied else emb.shape[1] * emb.element_size(),
+            linear_params=linear,
+        )
 
 
 @dataclass(frozen=True)
@@ -82,27 +89,37 @@ class VariantLoad:
     generated: float  # generated tokens at this step (incl. the current one): what the oracle adds to the prompt
 
 
-def step_cost(shape: ModelShape, loads: list[VariantLoad], prompt_tokens: int, *, certificate: bool,
-              oracle: bool) -> dict:
+def step_cost(
+    shape: ModelShape, loads: list[VariantLoad], prompt_tokens: int, *, certificate: bool, oracle: bool
+) -> dict:
     """Bytes and flops one decode step must move / compute (module docstring), itemized."""
     n = len(loads)
     L, hkv, hq, d = shape.layers, shape.kv_heads, shape.q_heads, shape.head_dim
-    b = dict(weights=shape.weight_bytes + n * shape.embed_row_bytes,
-             kv=sum(v.kept + v.appended for v in loads) * L * hkv * (2 * d + 1) * F32,
-             certificate=sum(v.tail for v in loads) * L * hkv * 2 * F32 if certificate else 0,
-             oracle=prompt_tokens * L * hkv * 2 * d * F32 if oracle else 0,
-             logits=n * shape.vocab * F32)
-    f = dict(weights=2 * n * shape.linear_params,
-             attention=sum(4 * (v.kept + v.appended) * d * hq * L for v in loads),
-             certificate=sum(2 * v.tail * d * hq * L for v in loads) if certificate else 0,
-             oracle=sum(4 * (prompt_tokens + v.generated) * d * hq * L for v in loads) if oracle else 0)
+    b = dict(
+        weights=shape.weight_bytes + n * shape.embed_row_bytes,
+        kv=sum(v.kept + v.appended for v in loads) * L * hkv * (2 * d + 1) * F32,
+        certificate=sum(v.tail for v in loads) * L * hkv * 2 * F32 if certificate else 0,
+        oracle=prompt_tokens * L * hkv * 2 * d * F32 if oracle else 0,
+        logits=n * shape.vocab * F32,
+    )
+    f = dict(
+        weights=2 * n * shape.linear_params,
+        attention=sum(4 * (v.kept + v.appended) * d * hq * L for v in loads),
+        certificate=sum(2 * v.tail * d * hq * L for v in loads) if certificate else 0,
+        oracle=sum(4 * (prompt_tokens + v.generated) * d * hq * L for v in loads) if oracle else 0,
+    )
     return dict(bytes=float(sum(b.values())), flops=float(sum(f.values())), bytes_by=b, flops_by=f)
 
 
 def limit(cost: dict, bandwidth: float, matmul_flops: float) -> dict:
     t_mem, t_comp = cost["bytes"] / bandwidth, cost["flops"] / matmul_flops
-    return dict(memory_s=t_mem, compute_s=t_comp, limit_s=max(t_mem, t_comp), limit_sum_s=t_mem + t_comp,
-                bound="memory" if t_mem >= t_comp else "compute")
+    return dict(
+        memory_s=t_mem,
+        compute_s=t_comp,
+        limit_s=max(t_mem, t_comp),
+        limit_sum_s=t_mem + t_comp,
+        bound="memory" if t_mem >= t_comp else "compute",
+    )
 
 
 def loads_from_results(results, prompt_tokens: int, question_start: int, steps: int) -> list[VariantLoad]:
@@ -142,8 +159,13 @@ def measure_bandwidth(mb: int = 512, reps: int = 5, device: str = "cpu") -> dict
         best_sum, best_copy = min(best_sum, t1 - t0), min(best_copy, t2 - t1)
     nbytes = n * F32
     del x, y
-    return dict(tensor_mb=mb, read_Bps=nbytes / best_sum, copy_Bps=2 * nbytes / best_copy,
-                bandwidth_Bps=nbytes / best_sum, threads=torch.get_num_threads())
+    return dict(
+        tensor_mb=mb,
+        read_Bps=nbytes / best_sum,
+        copy_Bps=2 * nbytes / best_copy,
+        bandwidth_Bps=nbytes / best_sum,
+        threads=torch.get_num_threads(),
+    )
 
 
 def measure_matmul(m: int, k: int, n: int, reps: int = 5, device: str = "cpu", min_s: float = 0.05) -> dict:
@@ -180,8 +202,10 @@ def measure_matmul(m: int, k: int, n: int, reps: int = 5, device: str = "cpu", m
 def measure_machine(shape: ModelShape, variants, cfg, device: str, log) -> dict:
     bw = measure_bandwidth(cfg.bandwidth_mb, cfg.machine_reps, device)
     mm = {str(v): measure_matmul(v, shape.hidden, shape.intermediate, cfg.machine_reps, device) for v in variants}
-    log(f"  machine: read {bw['read_Bps'] / 1e9:.1f} GB/s, copy {bw['copy_Bps'] / 1e9:.1f} GB/s; matmul "
-        + ", ".join(f"M={k}: {v['flops_per_s'] / 1e9:.1f} GFLOP/s" for k, v in mm.items()))
+    log(
+        f"  machine: read {bw['read_Bps'] / 1e9:.1f} GB/s, copy {bw['copy_Bps'] / 1e9:.1f} GB/s; matmul "
+        + ", ".join(f"M={k}: {v['flops_per_s'] / 1e9:.1f} GFLOP/s" for k, v in mm.items())
+    )
     return dict(bandwidth=bw, matmul=mm)
 
 
@@ -218,11 +242,31 @@ def bench_roofline(model, cfg, device, log) -> dict:
                 cost = step_cost(shape, loads, tokens, **flags)
                 lim = limit(cost, bw, machine["matmul"][str(nv)]["flops_per_s"])
                 step = median(times[k])
-                rows.append(dict(tokens=tokens, variants=nv, config=k, step_s=step, samples_s=times[k], **cost,
-                                 **lim, multiple=step / lim["limit_s"], multiple_sum=step / lim["limit_sum_s"],
-                                 intensity=cost["flops"] / cost["bytes"], achieved_flops_per_s=cost["flops"] / step))
-            log(f"  roofline n={tokens} N={nv}: " + ", ".join(
-                f"{r['config']} {r['step_s'] * 1e3:.1f} ms = {r['multiple']:.1f}x limit ({r['bound']})"
-                for r in rows[-len(ROOFLINE_CONFIGS):]))
-    return dict(shape=asdict(shape), machine=machine, rows=rows,
-                formula="limit = max(bytes / bandwidth, flops / matmul_throughput(M = variants))")
+                rows.append(
+                    dict(
+                        tokens=tokens,
+                        variants=nv,
+                        config=k,
+                        step_s=step,
+                        samples_s=times[k],
+                        **cost,
+                        **lim,
+                        multiple=step / lim["limit_s"],
+                        multiple_sum=step / lim["limit_sum_s"],
+                        intensity=cost["flops"] / cost["bytes"],
+                        achieved_flops_per_s=cost["flops"] / step,
+                    )
+                )
+            log(
+                f"  roofline n={tokens} N={nv}: "
+                + ", ".join(
+                    f"{r['config']} {r['step_s'] * 1e3:.1f} ms = {r['multiple']:.1f}x limit ({r['bound']})"
+                    for r in rows[-len(ROOFLINE_CONFIGS) :]
+                )
+            )
+    return dict(
+        shape=asdict(shape),
+        machine=machine,
+        rows=rows,
+        formula="limit = max(bytes / bandwidth, flops / matmul_throughput(M = variants))",
+    )

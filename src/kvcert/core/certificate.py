@@ -231,8 +231,14 @@ def sketched_trace_c2(
         y2 = y.square().sum(-1)
         b_outer, b_vr = sb[..., :n_t], sb[..., n_t : n_t + k]
         b_sqvr, b_sq, b_sq2, b_1 = sb[..., n_t + k : n_t + 2 * k], sb[..., -3], sb[..., -2], sb[..., -1]
-        d4 = (b_sq2 + 4 * (w * yy * b_outer).sum(-1) + y2.square() * b_1 - 4 * (y * b_sqvr).sum(-1)
-              + 2 * y2 * b_sq - 4 * y2 * (y * b_vr).sum(-1))
+        d4 = (
+            b_sq2
+            + 4 * (w * yy * b_outer).sum(-1)
+            + y2.square() * b_1
+            - 4 * (y * b_sqvr).sum(-1)
+            + 2 * y2 * b_sq
+            - 4 * y2 * (y * b_vr).sum(-1)
+        )
         est = est - d4.clamp_min(0) / (k * (k + 2))
     elif debias in (True, "exact"):
         if values_tail is None:
@@ -407,8 +413,12 @@ def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tens
 
 
 def trace_c2_from_features(
-    weights: torch.Tensor, one_minus_pi: torch.Tensor, features: torch.Tensor, output: torch.Tensor,
-    sketch: torch.Tensor, trace_c: torch.Tensor,
+    weights: torch.Tensor,
+    one_minus_pi: torch.Tensor,
+    features: torch.Tensor,
+    output: torch.Tensor,
+    sketch: torch.Tensor,
+    trace_c: torch.Tensor,
 ) -> torch.Tensor:
     """(b) per step: `sketched_trace_c2(method="ratio", debias="sketch")` with few kernel launches (the decode loop
     calls it for every layer and bucket): every tail sum from one GEMM [a; (1 - pi) a^2] @ features, then k x k
@@ -433,8 +443,14 @@ def trace_c2_from_features(
     x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
     y2 = y.square().sum(-1)
     quad = (sb[..., :kk].unflatten(-1, (k, k)) @ y.unsqueeze(-1)).squeeze(-1)  # (sum b VR VR^T) y
-    d4 = (sb[..., -2] - 4 * (sb[..., kk + k : kk + 2 * k] * y).sum(-1) + 4 * (quad * y).sum(-1)
-          + 2 * y2 * sb[..., -3] - 4 * y2 * (sb[..., kk : kk + k] * y).sum(-1) + y2.square() * sb[..., -1])
+    d4 = (
+        sb[..., -2]
+        - 4 * (sb[..., kk + k : kk + 2 * k] * y).sum(-1)
+        + 4 * (quad * y).sum(-1)
+        + 2 * y2 * sb[..., -3]
+        - 4 * y2 * (sb[..., kk : kk + k] * y).sum(-1)
+        + y2.square() * sb[..., -1]
+    )
     tc2_max = trace_c.square()
     est = x * tc2_max - d4.clamp_min(0) / (k * (k + 2))
     return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)

@@ -74,8 +74,12 @@ def monte_carlo(
     n_keep = round(budget * n)
     select = get_design(design)
     sel = select(
-        problem.scores.expand(draws, n).contiguous(), n_keep, tail_fraction=tail_fraction, floor=floor,
-        score_power=score_power, generator=generator,
+        problem.scores.expand(draws, n).contiguous(),
+        n_keep,
+        tail_fraction=tail_fraction,
+        floor=floor,
+        score_power=score_power,
+        generator=generator,
     )
     k = gather_tokens(problem.keys.expand(draws, n, -1), sel.indices)
     vv = gather_tokens(v.expand(draws, n, -1), sel.indices)
@@ -102,8 +106,12 @@ def monte_carlo(
         if moments:
             w, o = res.weights, res.output
             s = sel.tail_slots
-            tc2 = torch.cat([trace_c2_exact(w[i : i + 100], vv[i : i + 100], o[i : i + 100], omp[i : i + 100],
-                                            tail_slots=s) for i in range(0, draws, 100)])[:, 0]
+            tc2 = torch.cat(
+                [
+                    trace_c2_exact(w[i : i + 100], vv[i : i + 100], o[i : i + 100], omp[i : i + 100], tail_slots=s)
+                    for i in range(0, draws, 100)
+                ]
+            )[:, 0]
             out["trace_c2"] = tc2
             diag = tail_diagnostics(w, omp, tail_slots=s)
             out.update({name: t[:, 0] for name, t in diag.items()})
@@ -142,12 +150,22 @@ def regime_table(seeds=(1, 2, 3), budgets=(0.25, 0.5), floors=(0.2, 0.5), draws:
                 cov, ratio = [], []
                 for seed in seeds:
                     g = torch.Generator().manual_seed(seed)
-                    r = monte_carlo(random_problem(generator=g, **kw), budget=budget, floor=floor, draws=draws,
-                                    generator=g)
+                    r = monte_carlo(
+                        random_problem(generator=g, **kw), budget=budget, floor=floor, draws=draws, generator=g
+                    )
                     cov.append(r["coverage"])
                     ratio.append(r["vhat_over_mse"])
-                rows.append({"regime": name, "budget": budget, "floor": floor, "coverage_min": min(cov),
-                             "coverage_max": max(cov), "ratio_min": min(ratio), "ratio_max": max(ratio)})
+                rows.append(
+                    {
+                        "regime": name,
+                        "budget": budget,
+                        "floor": floor,
+                        "coverage_min": min(cov),
+                        "coverage_max": max(cov),
+                        "ratio_min": min(ratio),
+                        "ratio_max": max(ratio),
+                    }
+                )
     return rows
 
 

@@ -17,8 +17,15 @@ from kvcert.core import evicted_mask, exact_attention, gather_tokens, get_design
 from kvcert.core.selection import split_head_tail
 from kvcert.core.simulate import monte_carlo, random_problem
 
-T1_KEYS = ("lambda", "true_error_deterministic", "estimate_deterministic", "retained_identical", "mse_randomized",
-           "mean_vhat_randomized", "coverage_randomized")
+T1_KEYS = (
+    "lambda",
+    "true_error_deterministic",
+    "estimate_deterministic",
+    "retained_identical",
+    "mse_randomized",
+    "mean_vhat_randomized",
+    "coverage_randomized",
+)
 
 
 def t1_demonstration(
@@ -45,8 +52,14 @@ def t1_demonstration(
 
     def det_output(values):
         kept_v = gather_tokens(values[None], det.indices)
-        res = hajek_attention(p.query[None, None], kept_k, kept_v, det.offset.double(), scale=p.scale,
-                              one_minus_pi=det.one_minus_pi.double())
+        res = hajek_attention(
+            p.query[None, None],
+            kept_k,
+            kept_v,
+            det.offset.double(),
+            scale=p.scale,
+            one_minus_pi=det.one_minus_pi.double(),
+        )
         return res.output[0, 0], float(res.variance[0, 0]), kept_v
 
     o0, _, _ = det_output(p.values)
@@ -63,9 +76,16 @@ def t1_demonstration(
         o_hat, v_hat_det, kept_v = det_output(v_det)
         exact = exact_attention(p.query[None, None], p.keys[None], v_det[None], scale=p.scale)[0, 0]
         v_rand = perturb_values(p.values, non_head, direction, float(lam))
-        mc = monte_carlo(p, budget=float(budget), tail_fraction=float(tail_fraction), floor=float(floor),
-                         score_power=float(score_power), draws=int(draws),
-                         generator=torch.Generator().manual_seed(int(seed) + 1), values=v_rand)
+        mc = monte_carlo(
+            p,
+            budget=float(budget),
+            tail_fraction=float(tail_fraction),
+            floor=float(floor),
+            score_power=float(score_power),
+            draws=int(draws),
+            generator=torch.Generator().manual_seed(int(seed) + 1),
+            values=v_rand,
+        )
         out["lambda"].append(float(lam))
         out["true_error_deterministic"].append(float((o_hat - exact).norm()))
         out["estimate_deterministic"].append(v_hat_det)  # the certificate of top-k: 0 whatever lambda is

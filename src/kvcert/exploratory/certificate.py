@@ -165,8 +165,11 @@ def split_conformal(
         score = np.where(r > 0, err / r, np.where(err > 0, np.inf, 0.0))
     groups = steps[group].to_numpy()
     in_a, in_b = _halves(groups, seed)
-    strata = [(None, np.ones(len(steps), bool))] if per is None else [
-        (k, (steps[per] == k).to_numpy()) for k in sorted(steps[per].unique())]
+    strata = (
+        [(None, np.ones(len(steps), bool))]
+        if per is None
+        else [(k, (steps[per] == k).to_numpy()) for k in sorted(steps[per].unique())]
+    )
     rng = np.random.default_rng(seed + 1)
     rows = []
     for key, mask in strata:
@@ -187,21 +190,31 @@ def split_conformal(
                 idx = np.concatenate([order[bounds[i] : bounds[i + 1]] for i in pick])
                 boots.append(conformal_quantile(s_fit[idx], level))
             with np.errstate(invalid="ignore"):  # infinite multipliers (strata smaller than 1 / (1 - level))
-                lo, hi = (np.percentile(boots, [2.5, 97.5]) if boots else (np.nan, np.nan))
+                lo, hi = np.percentile(boots, [2.5, 97.5]) if boots else (np.nan, np.nan)
             with np.errstate(divide="ignore", invalid="ignore"):
                 tight = np.nanmedian(np.where(err[tm] > 0, m * r[tm] / err[tm], np.nan))
-            rows.append({
-                "stratum": key, "fit_half": fit_name, "radius": radius, "level": level, "multiplier": m,
-                "multiplier_lo": lo, "multiplier_hi": hi, "n_fit": int(fm.sum()), "n_test": int(tm.sum()),
-                "heldout_coverage": float(np.mean(err[tm] <= m * r[tm])),
-                "heldout_coverage_raw": float(np.mean(err[tm] <= r[tm])),
-                "heldout_median_r_over_err": float(tight),
-            })
+            rows.append(
+                {
+                    "stratum": key,
+                    "fit_half": fit_name,
+                    "radius": radius,
+                    "level": level,
+                    "multiplier": m,
+                    "multiplier_lo": lo,
+                    "multiplier_hi": hi,
+                    "n_fit": int(fm.sum()),
+                    "n_test": int(tm.sum()),
+                    "heldout_coverage": float(np.mean(err[tm] <= m * r[tm])),
+                    "heldout_coverage_raw": float(np.mean(err[tm] <= r[tm])),
+                    "heldout_median_r_over_err": float(tight),
+                }
+            )
     return pd.DataFrame(rows)
 
 
 def calibration_curve(
-    steps: pd.DataFrame, levels: Sequence[float] = tuple(np.round(np.arange(0.5, 0.99, 0.05), 2)) + (0.99,),
+    steps: pd.DataFrame,
+    levels: Sequence[float] = tuple(np.round(np.arange(0.5, 0.99, 0.05), 2)) + (0.99,),
     names: Sequence[str] = ("conservative", "tight"),
 ) -> pd.DataFrame:
     """Empirical coverage of each radius at each nominal level (rows: level, radius, coverage, n)."""
@@ -213,8 +226,14 @@ def calibration_curve(
             r = rf[f"r_{n}"].to_numpy(np.float64)
             ok = np.isfinite(r) & np.isfinite(err)
             if ok.any():
-                rows.append({"level": float(level), "radius": n, "coverage": float(np.mean(err[ok] <= r[ok])),
-                             "n": int(ok.sum())})
+                rows.append(
+                    {
+                        "level": float(level),
+                        "radius": n,
+                        "coverage": float(np.mean(err[ok] <= r[ok])),
+                        "n": int(ok.sum()),
+                    }
+                )
     return pd.DataFrame(rows)
 
 
@@ -244,8 +263,9 @@ def plot_calibration(curve: pd.DataFrame, path: str | Path, title: str = "EXPLOR
     return path
 
 
-def multiplier_for_coverage(steps: pd.DataFrame, target: float = 0.97, radius: str = "conservative",
-                            level: float = 0.95) -> float:
+def multiplier_for_coverage(
+    steps: pd.DataFrame, target: float = 0.97, radius: str = "conservative", level: float = 0.95
+) -> float:
     """The multiplier m with empirical coverage of m * r equal to target (the target quantile of error / r)."""
     r = radii(steps, level)[f"r_{radius}"].to_numpy(np.float64)
     err = steps["error"].to_numpy(np.float64)
@@ -259,8 +279,9 @@ def nominal_level_of_multiplier(m: float, level: float = 0.95) -> float:
     return float(2 * stats.norm.cdf(m * _z(level)) - 1)
 
 
-def certificate_trusted(steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2,
-                        ess_ratio_min: float = 0.3) -> pd.Series:
+def certificate_trusted(
+    steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2, ess_ratio_min: float = 0.3
+) -> pd.Series:
     """Regime flag from recorded per-cell statistics: the certificate is reported as trusted only where the tail
     has at least ess_min effective samples AND carries at least tail_mass_min of the attention AND (when
     ess_ratio_min > 0) ess_tail / n_tail >= ess_ratio_min (thresholds from the Monte Carlo in

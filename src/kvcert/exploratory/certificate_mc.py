@@ -33,12 +33,27 @@ from kvcert.exploratory.certificate import (
     split_conformal,
 )
 
-STAT_KEYS = ("variance", "trace_c2", "trace_c2_sketch", "tail_mass", "ess_tail", "n_tail", "tail_max", "head_mass",
-             "p_max")
+STAT_KEYS = (
+    "variance",
+    "trace_c2",
+    "trace_c2_sketch",
+    "tail_mass",
+    "ess_tail",
+    "n_tail",
+    "tail_max",
+    "head_mass",
+    "p_max",
+)
 
 
-def simulate_cells(draws: int = 250, seeds=range(1, 7), budgets=(0.25, 0.5), floors=(0.2, 0.5),
-                   tail_fraction: float = 0.75, sketch_k: int = 8) -> pd.DataFrame:
+def simulate_cells(
+    draws: int = 250,
+    seeds=range(1, 7),
+    budgets=(0.25, 0.5),
+    floors=(0.2, 0.5),
+    tail_fraction: float = 0.75,
+    sketch_k: int = 8,
+) -> pd.DataFrame:
     """One row per design draw: regime, seed, budget, floor, example_id (the problem), error and the statistics."""
     frames = []
     for regime, kw in FAILURE_REGIMES.items():
@@ -47,13 +62,24 @@ def simulate_cells(draws: int = 250, seeds=range(1, 7), budgets=(0.25, 0.5), flo
                 for floor in floors:
                     g = torch.Generator().manual_seed(1000 * seed + int(100 * budget))
                     prob = random_problem(generator=g, **kw)  # the same problem for both floors
-                    r = monte_carlo(prob, budget=budget, tail_fraction=tail_fraction, floor=floor, draws=draws,
-                                    generator=g, moments=True, sketch_k=sketch_k)
+                    r = monte_carlo(
+                        prob,
+                        budget=budget,
+                        tail_fraction=tail_fraction,
+                        floor=floor,
+                        draws=draws,
+                        generator=g,
+                        moments=True,
+                        sketch_k=sketch_k,
+                    )
                     df = pd.DataFrame({k: r[k].double().numpy() for k in STAT_KEYS})
                     df["error"] = r["sq_err"].sqrt().numpy()
                     df["exact_norm"] = r["exact_norm"]
-                    frames.append(df.assign(regime=regime, seed=seed, budget=budget, floor=floor,
-                                            example_id=f"{regime}|{seed}|{budget}"))
+                    frames.append(
+                        df.assign(
+                            regime=regime, seed=seed, budget=budget, floor=floor, example_id=f"{regime}|{seed}|{budget}"
+                        )
+                    )
     return pd.concat(frames, ignore_index=True)
 
 
@@ -81,18 +107,21 @@ def candidate_table(cells: pd.DataFrame, level: float = 0.95, seed: int = 0) -> 
                     names.append(f"conformal_{base}")
                     long.append(sc.assign(floor=floor, table="conformal"))
                 # one multiplier per tail-ESS bin (the stratum the failure concentrates in)
-                sc = split_conformal(sub, "tight_ess", level=level, per="ess_bin", n_boot=100, seed=seed,
-                                     radius_frame=rf)
+                sc = split_conformal(
+                    sub, "tight_ess", level=level, per="ess_bin", n_boot=100, seed=seed, radius_frame=rf
+                )
                 mult = sc.groupby("stratum")["multiplier"].mean()
                 rf["r_conformal_tight_ess_by_ess"] = rf["r_tight_ess"] * sub["ess_bin"].astype(str).map(mult).to_numpy()
                 names.append("conformal_tight_ess_by_ess")
                 conf["tight_ess_by_ess"] = sc
                 long.append(sc.assign(floor=floor, table="conformal_by_ess"))
-                sc = split_conformal(sub, "tight", level=level, per="ess_ratio_bin", n_boot=100, seed=seed,
-                                     radius_frame=rf)
+                sc = split_conformal(
+                    sub, "tight", level=level, per="ess_ratio_bin", n_boot=100, seed=seed, radius_frame=rf
+                )
                 mult = sc.groupby("stratum")["multiplier"].mean()
-                rf["r_conformal_tight_by_ess_ratio"] = (rf["r_tight"]
-                                                        * sub["ess_ratio_bin"].astype(str).map(mult).to_numpy())
+                rf["r_conformal_tight_by_ess_ratio"] = (
+                    rf["r_tight"] * sub["ess_ratio_bin"].astype(str).map(mult).to_numpy()
+                )
                 names.append("conformal_tight_by_ess_ratio")
                 conf["tight_by_ess_ratio"] = sc
                 long.append(sc.assign(floor=floor, table="conformal_by_ess_ratio"))
@@ -108,24 +137,42 @@ def candidate_table(cells: pd.DataFrame, level: float = 0.95, seed: int = 0) -> 
             for n in names:
                 worst_reg = by_regime.loc[by_regime[f"coverage_{n}"].fillna(np.inf).idxmin()]
                 worst_ess = by_ess.loc[by_ess[f"coverage_{n}"].fillna(np.inf).idxmin()]
-                rows.append({
-                    "floor": floor, "radius": n + tag, "coverage_pooled": pooled[f"coverage_{n}"].iloc[0],
-                    "worst_regime": worst_reg["regime"], "coverage_worst_regime": worst_reg[f"coverage_{n}"],
-                    "worst_ess_bin": worst_ess["ess_bin"], "coverage_worst_ess_bin": worst_ess[f"coverage_{n}"],
-                    "coverage_trusted": tr_tab[f"coverage_{n}"].iloc[0], "share_trusted": float(trusted.mean()),
-                    "median_r_over_err": pooled[f"median_r_over_err_{n}"].iloc[0],
-                    "multiplier": (" ".join(f"{k}:{m:.2f}" if k is not None else f"{m:.2f}"
-                                            for k, m in conf[n[len("conformal_"):]].fillna({"stratum": "all"})
-                                            .groupby("stratum", sort=False)["multiplier"].mean().items())
-                                   if n.startswith("conformal_") else ""),
-                })
+                rows.append(
+                    {
+                        "floor": floor,
+                        "radius": n + tag,
+                        "coverage_pooled": pooled[f"coverage_{n}"].iloc[0],
+                        "worst_regime": worst_reg["regime"],
+                        "coverage_worst_regime": worst_reg[f"coverage_{n}"],
+                        "worst_ess_bin": worst_ess["ess_bin"],
+                        "coverage_worst_ess_bin": worst_ess[f"coverage_{n}"],
+                        "coverage_trusted": tr_tab[f"coverage_{n}"].iloc[0],
+                        "share_trusted": float(trusted.mean()),
+                        "median_r_over_err": pooled[f"median_r_over_err_{n}"].iloc[0],
+                        "multiplier": (
+                            " ".join(
+                                f"{k}:{m:.2f}" if k is not None else f"{m:.2f}"
+                                for k, m in conf[n[len("conformal_") :]]
+                                .fillna({"stratum": "all"})
+                                .groupby("stratum", sort=False)["multiplier"]
+                                .mean()
+                                .items()
+                            )
+                            if n.startswith("conformal_")
+                            else ""
+                        ),
+                    }
+                )
     return pd.DataFrame(rows), pd.concat(long, ignore_index=True)
 
 
 def accuracy_cost(cells: pd.DataFrame) -> pd.DataFrame:
     """Design remedy cost: RMSE of o_hat per regime and budget at each floor, and the ratio to floor 0.2."""
-    t = cells.groupby(["regime", "budget", "floor"]).agg(rmse=("error", lambda e: float(np.sqrt(np.mean(e**2)))),
-                                                       mean_error=("error", "mean")).reset_index()
+    t = (
+        cells.groupby(["regime", "budget", "floor"])
+        .agg(rmse=("error", lambda e: float(np.sqrt(np.mean(e**2)))), mean_error=("error", "mean"))
+        .reset_index()
+    )
     base = t[t["floor"] == 0.2].set_index(["regime", "budget"])["rmse"]
     t["rmse_ratio_to_floor0.2"] = [r / base[(g, b)] for g, b, r in zip(t["regime"], t["budget"], t["rmse"])]
     return t
@@ -138,12 +185,20 @@ def threshold_grid(cells: pd.DataFrame, level: float = 0.95, radius: str = "tigh
     covered = (sub["error"] <= rf[f"r_{radius}"]).to_numpy()
     rows = []
     for ess_min, tm_min, ratio_min in [(e, t, 0.0) for e in (0, 2, 5, 10, 20) for t in (0, 1e-3, 1e-2, 0.1)] + [
-            (e, 1e-2, r) for e in (0, 10) for r in (0.05, 0.1, 0.2, 0.3, 0.5)]:
+        (e, 1e-2, r) for e in (0, 10) for r in (0.05, 0.1, 0.2, 0.3, 0.5)
+    ]:
         ok = certificate_trusted(sub, ess_min=ess_min, tail_mass_min=tm_min, ess_ratio_min=ratio_min).to_numpy()
-        rows.append({"radius": radius, "ess_min": ess_min, "tail_mass_min": tm_min, "ess_ratio_min": ratio_min,
-                     "share_trusted": ok.mean(),
-                     "coverage_trusted": covered[ok].mean() if ok.any() else np.nan,
-                     "coverage_untrusted": covered[~ok].mean() if (~ok).any() else np.nan})
+        rows.append(
+            {
+                "radius": radius,
+                "ess_min": ess_min,
+                "tail_mass_min": tm_min,
+                "ess_ratio_min": ratio_min,
+                "share_trusted": ok.mean(),
+                "coverage_trusted": covered[ok].mean() if ok.any() else np.nan,
+                "coverage_untrusted": covered[~ok].mean() if (~ok).any() else np.nan,
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -151,8 +206,12 @@ def _md(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
     cols = list(df.columns)
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, r in df.iterrows():
-        cells = [(str(int(v)) if float(v).is_integer() and abs(v) >= 1 else floatfmt.format(v))
-                 if isinstance(v, float) and not np.isnan(v) else ("" if isinstance(v, float) else str(v)) for v in r]
+        cells = [
+            (str(int(v)) if float(v).is_integer() and abs(v) >= 1 else floatfmt.format(v))
+            if isinstance(v, float) and not np.isnan(v)
+            else ("" if isinstance(v, float) else str(v))
+            for v in r
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -170,26 +229,37 @@ def main(argv=None) -> None:
     cells = simulate_cells(draws=args.draws, seeds=range(1, args.seeds + 1))
     summary, long = candidate_table(cells)
     cost = accuracy_cost(cells)
-    grid = pd.concat([threshold_grid(cells, radius=r) for r in ("conservative", "tight", "tight_ess")],
-                     ignore_index=True)
+    grid = pd.concat(
+        [threshold_grid(cells, radius=r) for r in ("conservative", "tight", "tight_ess")], ignore_index=True
+    )
     summary.to_csv(out / "certificate_mc.csv", index=False)
     long.to_csv(out / "certificate_mc_strata.csv", index=False)
     base = cells[cells["floor"] == 0.2]
     curve_all = calibration_curve(base, names=("conservative", "tight", "tight_ess"))
     curve_well = calibration_curve(base[base["regime"] == "well-scored"], names=("conservative", "tight"))
-    plot_calibration(curve_all, out / "certificate_mc_calibration.png",
-                     "EXPLORATORY Monte Carlo, all regimes (floor 0.2)")
-    plot_calibration(curve_well, out / "certificate_mc_calibration_well_scored.png",
-                     "EXPLORATORY Monte Carlo, well-scored regime")
-    regimes = (cells[cells["floor"] == 0.2].assign(ess_ratio=lambda c: c["ess_tail"] / c["n_tail"]).groupby("regime")
-               .agg(tail_mass_median=("tail_mass", "median"), ess_median=("ess_tail", "median"),
-                    ess_ratio_median=("ess_ratio", "median"),
-                    n_tail_median=("n_tail", "median"))
-               .reset_index())
+    plot_calibration(
+        curve_all, out / "certificate_mc_calibration.png", "EXPLORATORY Monte Carlo, all regimes (floor 0.2)"
+    )
+    plot_calibration(
+        curve_well, out / "certificate_mc_calibration_well_scored.png", "EXPLORATORY Monte Carlo, well-scored regime"
+    )
+    regimes = (
+        cells[cells["floor"] == 0.2]
+        .assign(ess_ratio=lambda c: c["ess_tail"] / c["n_tail"])
+        .groupby("regime")
+        .agg(
+            tail_mass_median=("tail_mass", "median"),
+            ess_median=("ess_tail", "median"),
+            ess_ratio_median=("ess_ratio", "median"),
+            n_tail_median=("n_tail", "median"),
+        )
+        .reset_index()
+    )
     h = (base["variance"] ** 2 / base["trace_c2"]).groupby(base["regime"]).median()
     regimes["eff_dim_median"] = regimes["regime"].map(h)
-    ratio = base.groupby("regime").apply(lambda g: g["variance"].mean() / (g["error"] ** 2).mean(),
-                                         include_groups=False)
+    ratio = base.groupby("regime").apply(
+        lambda g: g["variance"].mean() / (g["error"] ** 2).mean(), include_groups=False
+    )
     regimes["E[V_hat]/MSE"] = regimes["regime"].map(ratio)
     by_regime = long[(long["table"] == "regime") & (long["variant"] == "") & (long["floor"] == 0.2)]
     by_ess = long[(long["table"] == "ess_bin") & (long["variant"] == "") & (long["floor"] == 0.2)]

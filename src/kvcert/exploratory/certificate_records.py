@@ -41,8 +41,11 @@ def load(run_dir: Path) -> tuple[pd.DataFrame, pd.DataFrame, str]:
     ex = sorted((run_dir / "shards").glob("*.examples.parquet"))
     st = [p.with_name(p.name.replace(".examples.", ".steps.")) for p in ex]
     pairs = [(e, s) for e, s in zip(ex, st) if s.exists()]
-    return (pd.concat([pd.read_parquet(e) for e, _ in pairs], ignore_index=True),
-            pd.concat([pd.read_parquet(s) for _, s in pairs], ignore_index=True), f"{len(pairs)} shards")
+    return (
+        pd.concat([pd.read_parquet(e) for e, _ in pairs], ignore_index=True),
+        pd.concat([pd.read_parquet(s) for _, s in pairs], ignore_index=True),
+        f"{len(pairs)} shards",
+    )
 
 
 def prepare(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -66,8 +69,7 @@ def _md(df: pd.DataFrame) -> str:
         cells = []
         for v in r:
             if isinstance(v, (float, np.floating)):
-                cells.append("" if np.isnan(v) else (str(int(v)) if float(v).is_integer()
-                                                     else f"{v:.3f}"))
+                cells.append("" if np.isnan(v) else (str(int(v)) if float(v).is_integer() else f"{v:.3f}"))
             else:
                 cells.append(str(v))
         out.append("| " + " | ".join(cells) + " |")
@@ -85,9 +87,12 @@ def tables(cells: pd.DataFrame, level: float = 0.95) -> dict[str, pd.DataFrame]:
     e2 = cells["error"].to_numpy(np.float64) ** 2
     with np.errstate(divide="ignore", invalid="ignore"):
         z = np.sqrt(e2) / np.sqrt(v)
-    bias = (pd.DataFrame({"tail_mass_bin": cells["tail_mass_bin"].values, "e2": e2, "v": v, "z": z})
-            .groupby("tail_mass_bin", observed=True).agg(n=("e2", "size"), mse=("e2", "mean"), mean_vhat=("v", "mean"),
-                                median_err_over_sd=("z", "median")).reset_index())
+    bias = (
+        pd.DataFrame({"tail_mass_bin": cells["tail_mass_bin"].values, "e2": e2, "v": v, "z": z})
+        .groupby("tail_mass_bin", observed=True)
+        .agg(n=("e2", "size"), mse=("e2", "mean"), mean_vhat=("v", "mean"), median_err_over_sd=("z", "median"))
+        .reset_index()
+    )
     bias["mse_over_mean_vhat"] = bias["mse"] / bias["mean_vhat"]
     out["vhat_bias_by_tail_mass"] = bias
     return out
@@ -101,9 +106,15 @@ def proxy_grid(cells: pd.DataFrame, level: float = 0.95) -> pd.DataFrame:
     for tm in (0.0, 1e-3, 1e-2, 0.1):
         for pm in (1.01, 0.6, 0.3):
             ok = ((cells["tail_mass"] >= tm) & (cells["p_max"] < pm)).to_numpy()
-            rows.append({"tail_mass_min": tm, "p_max_below": pm, "share": ok.mean(),
-                         "coverage_in": cov[ok].mean() if ok.any() else np.nan,
-                         "coverage_out": cov[~ok].mean() if (~ok).any() else np.nan})
+            rows.append(
+                {
+                    "tail_mass_min": tm,
+                    "p_max_below": pm,
+                    "share": ok.mean(),
+                    "coverage_in": cov[ok].mean() if ok.any() else np.nan,
+                    "coverage_out": cov[~ok].mean() if (~ok).any() else np.nan,
+                }
+            )
     return pd.DataFrame(rows)
 
 
@@ -131,28 +142,44 @@ def main(argv=None) -> None:
     m95 = multiplier_for_coverage(c1, 0.95)
     curve = calibration_curve(c1, names=("conservative", "tight"))
     curve["radius"] = curve["radius"].replace({"tight": "tight, isotropic bound (h = 64)"})
-    plot_calibration(curve, out / "certificate_calibration_c1.png",
-                     "EXPLORATORY: study-1 records (C1 rows), old code")
+    plot_calibration(curve, out / "certificate_calibration_c1.png", "EXPLORATORY: study-1 records (C1 rows), old code")
     curve.to_csv(out / "certificate_calibration_c1.csv", index=False)
     for name, t in t_c1.items():
         t.to_csv(out / f"certificate_c1_by_{name}.csv", index=False)
     conf.to_csv(out / "certificate_conformal_c1.csv", index=False)
     conf_layer.to_csv(out / "certificate_conformal_c1_by_layer.csv", index=False)
     # where the paper's 0.97 is reached with the plain radius
-    reach = {k: t_c1[k][t_c1[k]["coverage_conservative"] >= 0.97][k].astype(str).tolist()
-             for k in ("tail_mass_bin", "p_max_bin", "layer", "head", "task", "budget", "context_k") if k in t_c1}
+    reach = {
+        k: t_c1[k][t_c1[k]["coverage_conservative"] >= 0.97][k].astype(str).tolist()
+        for k in ("tail_mass_bin", "p_max_bin", "layer", "head", "task", "budget", "context_k")
+        if k in t_c1
+    }
     keep = ["n", "coverage_conservative", "median_r_over_err_conservative", "coverage_tight"]
 
     def sec(tabs, key):
         t = tabs[key]
         return _md(t[[key] + [c for c in keep if c in t]])
 
-    lay = conf_layer.groupby("stratum").agg(multiplier=("multiplier", "mean"), lo=("multiplier_lo", "min"),
-                                            hi=("multiplier_hi", "max"),
-                                            heldout_coverage=("heldout_coverage", "mean")).reset_index()
-    tm = conf_tm.groupby("stratum").agg(multiplier=("multiplier", "mean"), lo=("multiplier_lo", "min"),
-                                        hi=("multiplier_hi", "max"),
-                                        heldout_coverage=("heldout_coverage", "mean")).reset_index()
+    lay = (
+        conf_layer.groupby("stratum")
+        .agg(
+            multiplier=("multiplier", "mean"),
+            lo=("multiplier_lo", "min"),
+            hi=("multiplier_hi", "max"),
+            heldout_coverage=("heldout_coverage", "mean"),
+        )
+        .reset_index()
+    )
+    tm = (
+        conf_tm.groupby("stratum")
+        .agg(
+            multiplier=("multiplier", "mean"),
+            lo=("multiplier_lo", "min"),
+            hi=("multiplier_hi", "max"),
+            heldout_coverage=("heldout_coverage", "mean"),
+        )
+        .reset_index()
+    )
     pooled = t_c1["pooled"].iloc[0]
     with np.errstate(divide="ignore", invalid="ignore"):
         zs = c1["error"].to_numpy(np.float64) / np.sqrt(c1["variance"].to_numpy(np.float64))
@@ -162,26 +189,41 @@ def main(argv=None) -> None:
 Not pre-registered; an input to the design of a future study. Data source: `{args.run_dir}` ({how}), raw
 study-1 confirmatory records regenerated with the OLD code (no tr(C^2), ESS or head-mass columns). Scope: the C1
 rows (randomized design, window_question scorer, budgets 0.25 and 0.5, tail fraction {tf}, floor {fl}):
-{len(c1):,} cells (example x variant x decode step x layer x query head) from {c1['example_id'].nunique()}
+{len(c1):,} cells (example x variant x decode step x layer x query head) from {c1["example_id"].nunique()}
 examples. "tight, isotropic bound" is the Satterthwaite radius at h = 64, the smallest it can be: with trace_c2
 unrecorded the tight radius's coverage lies between that and the conservative column. Level 0.95.
 Generated by `python -m kvcert.exploratory.certificate_records` in {time.time() - t0:.0f} s.
 
 ## Pooled
 
-coverage of 1.96 sqrt(V_hat): {pooled['coverage_conservative']:.4f}; isotropic-bound tight radius:
-{pooled['coverage_tight']:.4f}; median radius / error {pooled['median_r_over_err_conservative']:.2f}.
+coverage of 1.96 sqrt(V_hat): {pooled["coverage_conservative"]:.4f}; isotropic-bound tight radius:
+{pooled["coverage_tight"]:.4f}; median radius / error {pooled["median_r_over_err_conservative"]:.2f}.
 Multiplier on 1.96 sqrt(V_hat) for empirical coverage 0.95: {m95:.3f}; for the paper's 0.97: {m97:.3f}
 (equivalent to a nominal Gaussian level of 1 - {1 - nominal_level_of_multiplier(m97):.1e}).
-Quantiles of error / sqrt(V_hat) at 0.5 / 0.75 / 0.9 / 0.95 / 0.97 / 0.99: {' / '.join(f'{q:.2f}' for q in zq)}
+Quantiles of error / sqrt(V_hat) at 0.5 / 0.75 / 0.9 / 0.95 / 0.97 / 0.99: {" / ".join(f"{q:.2f}" for q in zq)}
 (a 64-dimensional Gaussian error with E||e||^2 = V_hat would give 0.99 / 1.05 / 1.11 / 1.14 / 1.17 / 1.21;
 a rank-one one 0.67 / 1.15 / 1.64 / 1.96 / 2.17 / 2.58).
 
 Split-conformal (random halves of the examples, fit on one, check on the other; 95% bootstrap interval over
 examples of the fitting half):
 
-{_md(conf[['fit_half', 'multiplier', 'multiplier_lo', 'multiplier_hi', 'n_fit', 'n_test', 'heldout_coverage',
-           'heldout_coverage_raw', 'heldout_median_r_over_err']])}
+{
+        _md(
+            conf[
+                [
+                    "fit_half",
+                    "multiplier",
+                    "multiplier_lo",
+                    "multiplier_hi",
+                    "n_fit",
+                    "n_test",
+                    "heldout_coverage",
+                    "heldout_coverage_raw",
+                    "heldout_median_r_over_err",
+                ]
+            ]
+        )
+    }
 
 Per layer (mean of the two fits, interval = union of the two bootstrap intervals):
 
@@ -199,41 +241,41 @@ Strata where the plain radius reaches 0.97: {reach}
 
 ## Coverage by tail mass (sum of p over the tail)
 
-{sec(t_c1, 'tail_mass_bin')}
+{sec(t_c1, "tail_mass_bin")}
 
 V_hat bias by tail mass (mean squared error / mean V_hat; median error / sqrt(V_hat)):
 
-{_md(t_c1['vhat_bias_by_tail_mass'])}
+{_md(t_c1["vhat_bias_by_tail_mass"])}
 
 ## By largest attention weight p_max
 
-{sec(t_c1, 'p_max_bin')}
+{sec(t_c1, "p_max_bin")}
 
 ## By layer
 
-{sec(t_c1, 'layer')}
+{sec(t_c1, "layer")}
 
 ## By query head
 
-{sec(t_c1, 'head')}
+{sec(t_c1, "head")}
 
 ## By task
 
-{sec(t_c1, 'task')}
+{sec(t_c1, "task")}
 
 ## By budget
 
-{sec(t_c1, 'budget')}
+{sec(t_c1, "budget")}
 
 ## By context length (prompt tokens, nominal)
 
-{sec(t_c1, 'context_k')}
+{sec(t_c1, "context_k")}
 
 ## All randomized variants (every scorer and budget, locked and ablation rows), by scorer and by budget
 
-{sec(t_all, 'scorer')}
+{sec(t_all, "scorer")}
 
-{sec(t_all, 'budget')}
+{sec(t_all, "budget")}
 
 Figures: `certificate_calibration_c1.png` (nominal 0.5-0.99 vs empirical; conservative and the isotropic bound).
 CSV: `certificate_c1_by_*.csv`, `certificate_conformal_c1*.csv`, `certificate_calibration_c1.csv`.

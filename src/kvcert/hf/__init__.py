@@ -1,7 +1,7 @@
 """The thin glue between kvcert and transformers: loading, the attention function, one example's flow.
 
-    prefill = Prefill.record(model, prompt)      -> batch = prefill.compress(policies, options)
-    results = batch.decode(options, tokenizer)   (generate_variants composes the three)
+prefill = Prefill.record(model, prompt)      -> batch = prefill.compress(policies, options)
+results = batch.decode(options, tokenizer)   (generate_variants composes the three)
 """
 
 from kvcert.hf.decode import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, VariantResult

@@ -39,6 +39,7 @@ def value_sketch(d: int, device) -> torch.Tensor:
         _SKETCHES[key] = make_sketch(d, SKETCH_K, generator=torch.Generator().manual_seed(SKETCH_SEED), device=device)
     return _SKETCHES[key]
 
+
 NAME = "kvcert"
 
 
@@ -52,8 +53,9 @@ def kvcert_attention(module, query, key, value, attention_mask, scaling=None, dr
         )
     for unsupported in ("softcap", "s_aux"):  # logit soft-capping, attention sinks: refused at load, never ignored
         if kwargs.get(unsupported) is not None:
-            raise NotImplementedError(f"kvcert's attention does not implement {unsupported!r} "
-                                      f"({type(module).__name__})")
+            raise NotImplementedError(
+                f"kvcert's attention does not implement {unsupported!r} ({type(module).__name__})"
+            )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = state.attend(module.layer_idx, query, key, value, scale, window=kwargs.get("sliding_window"))
     return out.transpose(1, 2).contiguous(), None
@@ -147,8 +149,16 @@ class LayerBuffers:
     positions: torch.Tensor | None = None  # (B, capacity) absolute positions of the slots (window layers only)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        for name in ("keys", "values", "offset", "one_minus_pi", "value_sq_norms", "oracle_keys", "oracle_values",
-                     "positions"):
+        for name in (
+            "keys",
+            "values",
+            "offset",
+            "one_minus_pi",
+            "value_sq_norms",
+            "oracle_keys",
+            "oracle_values",
+            "positions",
+        ):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.index_select(0, rows))
@@ -201,8 +211,9 @@ class Bucket:
         # V_tail R and its per-token features once per compression (values are fixed then): the per-step tr(C^2)
         # estimate is then one GEMM over the tail (kvcert.core.certificate.trace_c2_from_features)
         self._sketch = value_sketch(layers[0].keys.shape[-1], layers[0].keys.device)
-        self._features = [tail_features(b.values[:, :, : b.tail_slots], self._sketch) if self.certified else None
-                          for b in layers]
+        self._features = [
+            tail_features(b.values[:, :, : b.tail_slots], self._sketch) if self.certified else None for b in layers
+        ]
 
     @property
     def batch_size(self) -> int:
@@ -218,14 +229,25 @@ class Bucket:
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
         self.certified = bool(self.certificate_rows.any())
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               window: int | None, *, stats: bool, certificate: bool,
-               trace_c2: bool = True) -> tuple[torch.Tensor, dict | None]:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None,
+        *,
+        stats: bool,
+        certificate: bool,
+        trace_c2: bool = True,
+    ) -> tuple[torch.Tensor, dict | None]:
         """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step)."""
         buf = self.layers[layer]
         if window != buf.window:
-            raise RuntimeError(f"layer {layer}: the model's sliding window ({window}) is not the buffer's "
-                               f"({buf.window})")
+            raise RuntimeError(
+                f"layer {layer}: the model's sliding window ({window}) is not the buffer's ({buf.window})"
+            )
         bsz, n_q, t, d = query.shape
         n_kv = key.shape[1]
         group = n_q // n_kv
@@ -257,9 +279,15 @@ class Bucket:
             mask = window_mask if mask is None else mask + window_mask
         certify = stats and t == 1
         res = hajek_attention(
-            q, keys, values, offset, scale=scale, mask=mask,
+            q,
+            keys,
+            values,
+            offset,
+            scale=scale,
+            mask=mask,
             one_minus_pi=buf.one_minus_pi if certify and certificate and self.certified else None,
-            variance_slots=buf.tail_slots, value_sq_norms=buf.value_sq_norms,
+            variance_slots=buf.tail_slots,
+            value_sq_norms=buf.value_sq_norms,
         )
         step = self._step_stats(layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2) if certify else None
         return res.output.reshape(bsz, n_q, t, d).to(query.dtype), step
@@ -271,14 +299,16 @@ class Bucket:
         s = buf.tail_slots
         step["tail_mass"] = (p[..., :s] @ self._tail[layer]).reshape(bsz, n_q)  # sum of p over real tail slots
         if res.variance is not None:
-            undefined = ~self.certificate_rows[:, None] if buf.compressed else torch.ones_like(
-                self.certificate_rows[:, None])
+            undefined = (
+                ~self.certificate_rows[:, None] if buf.compressed else torch.ones_like(self.certificate_rows[:, None])
+            )
             step["variance"] = res.variance.reshape(bsz, n_q).masked_fill(undefined, float("nan"))
             diag = tail_diagnostics(p, buf.one_minus_pi, tail_slots=s, prefix=buf.prefix)
             diag["trace_c2"] = torch.zeros_like(res.variance) if trace_c2 else torch.full_like(res.variance, torch.nan)
             if s and trace_c2:
-                diag["trace_c2"] = trace_c2_from_features(p, buf.one_minus_pi, self._features[layer], out,
-                                                          self._sketch, res.variance)
+                diag["trace_c2"] = trace_c2_from_features(
+                    p, buf.one_minus_pi, self._features[layer], out, self._sketch, res.variance
+                )
             for name in CERTIFICATE_STATS:
                 step[name] = diag[name].reshape(bsz, n_q).masked_fill(undefined, float("nan"))
         elif certificate:  # a bucket without certificate rows: undefined, never zero
@@ -298,7 +328,7 @@ class Bucket:
         app_v = buf.oracle_values[:, :, : buf.oracle_length]
         if buf.window is not None:  # positions are [0, prefix) then the own part: keep the last `window` of them
             first = max(0, self.position - buf.window + 1)
-            kt, fv = kt[..., min(first, self.oracle_prefix):], fv[:, min(first, self.oracle_prefix):]
+            kt, fv = kt[..., min(first, self.oracle_prefix) :], fv[:, min(first, self.oracle_prefix) :]
             own_first = max(0, first - self.oracle_prefix)
             app_k, app_v = app_k[:, :, own_first:], app_v[:, :, own_first:]
         qh = q.transpose(0, 1).reshape(n_kv, bsz * g, d)
@@ -347,21 +377,38 @@ class CompressedState:
             start += n
         self.buckets = kept
 
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-               window: int | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
         want = self.stats is not None
         outs, steps, start = [], [], 0
         for bucket in self.buckets:
             n = bucket.batch_size
             bucket.position = self.position
             rows = slice(start, start + n) if len(self.buckets) > 1 else slice(None)
-            out, step = bucket.attend(layer, query[rows], key[rows], value[rows], scale, window, stats=want,
-                                      certificate=self.compute_certificate, trace_c2=self.compute_trace_c2)
+            out, step = bucket.attend(
+                layer,
+                query[rows],
+                key[rows],
+                value[rows],
+                scale,
+                window,
+                stats=want,
+                certificate=self.compute_certificate,
+                trace_c2=self.compute_trace_c2,
+            )
             outs.append(out)
             steps.append(step)
             start += n
         if want and steps[0] is not None:
             for name in steps[0]:
-                getattr(self.stats, name).append(steps[0][name] if len(steps) == 1 else
-                                                 torch.cat([st[name] for st in steps]))
+                getattr(self.stats, name).append(
+                    steps[0][name] if len(steps) == 1 else torch.cat([st[name] for st in steps])
+                )
         return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -58,8 +58,13 @@ def compress(
     if policy.is_full:  # every token (a sliding-window layer's mask hides those that left its window)
         idx = torch.arange(region, device=device).expand(n_kv, region)
         zeros = torch.zeros(n_kv, region, device=device)
-        return Compressed(indices=[idx] * n_layers, offset=[zeros] * n_layers,
-                          one_minus_pi=[zeros[:, :0]] * n_layers, tail_slots=[0] * n_layers, kept_tokens=region)
+        return Compressed(
+            indices=[idx] * n_layers,
+            offset=[zeros] * n_layers,
+            one_minus_pi=[zeros[:, :0]] * n_layers,
+            tail_slots=[0] * n_layers,
+            kept_tokens=region,
+        )
     lo, hi = forced if forced is not None else (region, region)
     n_cand = lo  # candidates are [0, lo); the forced tokens [lo, hi) are kept; nothing after hi exists yet
     n_forced = hi - lo
@@ -71,21 +76,31 @@ def compress(
     if scores is None:
         keys = torch.stack([k[0, :, :n_cand] for k in full_keys])  # (L, Hkv, n_cand, d)
         queries = torch.stack([w[0] for w in window_queries]) if window_queries is not None else None  # (L,Hq,w,d)
-        scores = SCORERS[policy.scorer].score(keys, window_queries=queries, scale=scale, pool_kernel=pool_kernel,
-                                              generator=generator)
+        scores = SCORERS[policy.scorer].score(
+            keys, window_queries=queries, scale=scale, pool_kernel=pool_kernel, generator=generator
+        )
         if score_cache is not None and policy.scorer != "random":
             score_cache[key] = scores
     sel: Selection = get_design(policy.design)(
-        scores.float().clamp_min(0), n_keep, tail_fraction=policy.tail_fraction, floor=policy.floor,
-        score_power=policy.score_power, generator=generator,
+        scores.float().clamp_min(0),
+        n_keep,
+        tail_fraction=policy.tail_fraction,
+        floor=policy.floor,
+        score_power=policy.score_power,
+        generator=generator,
     )
     always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
     indices = torch.cat([sel.indices, always], dim=-1)
     offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
     omp = sel.one_minus_pi[..., : sel.tail_slots]
     kept_counts = sel.kept_counts.double() + n_forced  # (L, Hkv)
-    out = Compressed(indices=list(indices), offset=list(offset), one_minus_pi=list(omp),
-                     tail_slots=[sel.tail_slots] * n_layers, kept_tokens=float(kept_counts.mean()))
+    out = Compressed(
+        indices=list(indices),
+        offset=list(offset),
+        one_minus_pi=list(omp),
+        tail_slots=[sel.tail_slots] * n_layers,
+        kept_tokens=float(kept_counts.mean()),
+    )
     windows = layer_windows or [None] * n_layers
     if all(w is None for w in windows):
         return out
@@ -98,5 +113,10 @@ def compress(
             out.one_minus_pi[layer] = out.one_minus_pi[layer][:, :0]
             out.tail_slots[layer] = 0
     kept = float(kept_counts[full].mean()) if full else float("nan")  # the budget's layers only
-    return Compressed(indices=out.indices, offset=out.offset, one_minus_pi=out.one_minus_pi,
-                      tail_slots=out.tail_slots, kept_tokens=kept)
+    return Compressed(
+        indices=out.indices,
+        offset=out.offset,
+        one_minus_pi=out.one_minus_pi,
+        tail_slots=out.tail_slots,
+        kept_tokens=kept,
+    )

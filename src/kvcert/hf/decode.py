@@ -19,8 +19,18 @@ from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.hf.attention import CompressedState, StepStats, forward_with_state
 from kvcert.policy import Policy
 
-STAT_NAMES = ("variance", "error", "out_norm", "tail_mass", "p_max", "trace_c2", "ess_tail", "n_tail", "tail_max",
-              "head_mass")
+STAT_NAMES = (
+    "variance",
+    "error",
+    "out_norm",
+    "tail_mass",
+    "p_max",
+    "trace_c2",
+    "ess_tail",
+    "n_tail",
+    "tail_max",
+    "head_mass",
+)
 
 
 @dataclass(frozen=True, kw_only=True)

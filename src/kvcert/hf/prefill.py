@@ -85,24 +85,35 @@ class Prefill:
         if not 0 < qs < n:
             raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
         ctx_lo = qs - min(context_window, qs - 1)
-        state = RecordState(model.config.num_hidden_layers,
-                            capture={"question": slice(qs, n), "context": slice(ctx_lo, qs)})
+        state = RecordState(
+            model.config.num_hidden_layers, capture={"question": slice(qs, n), "context": slice(ctx_lo, qs)}
+        )
         ids = torch.tensor([ids_list], device=model.device)
         pos = torch.arange(n, device=model.device)[None]
         with kvcert_attention_on(model):
             forward_with_state(model, ids[:, :qs], pos[:, :qs], state)
             logits = forward_with_state(model, ids[:, qs:], pos[:, qs:], state)
-        return cls(model=model, input_ids=ids_list, question_start=qs,
-                   example_id=example_id if example_id is not None else _example_id(prompt),
-                   full_keys=state.full_keys, full_values=state.full_values, window_queries=state.captured,
-                   context_window=(ctx_lo, qs), scale=attention_scale(model), last_logits=logits,
-                   layer_windows=layer_windows(model))
+        return cls(
+            model=model,
+            input_ids=ids_list,
+            question_start=qs,
+            example_id=example_id if example_id is not None else _example_id(prompt),
+            full_keys=state.full_keys,
+            full_values=state.full_values,
+            window_queries=state.captured,
+            context_window=(ctx_lo, qs),
+            scale=attention_scale(model),
+            last_logits=logits,
+            layer_windows=layer_windows(model),
+        )
 
     def oracle_prefix(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The first n prompt tokens of every layer in the oracle's matmul layout (K^T, V), fp32; built once."""
         if n not in self._oracle_layout:
-            self._oracle_layout[n] = ([k[0, :, :n].float().transpose(-1, -2).contiguous() for k in self.full_keys],
-                                      [v[0, :, :n].float().contiguous() for v in self.full_values])
+            self._oracle_layout[n] = (
+                [k[0, :, :n].float().transpose(-1, -2).contiguous() for k in self.full_keys],
+                [v[0, :, :n].float().contiguous() for v in self.full_values],
+            )
         return self._oracle_layout[n]
 
     # ---------------------------------------------------------------------------------------------- compress
@@ -118,9 +129,18 @@ class Prefill:
         elif policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
             forced = (qs, n)
         generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
-        return compress(policy, self.full_keys, region=region, forced=forced, window_queries=queries,
-                        scale=self.scale, generator=generator, pool_kernel=pool_kernel,
-                        layer_windows=self.layer_windows, score_cache=self._scores)
+        return compress(
+            policy,
+            self.full_keys,
+            region=region,
+            forced=forced,
+            window_queries=queries,
+            scale=self.scale,
+            generator=generator,
+            pool_kernel=pool_kernel,
+            layer_windows=self.layer_windows,
+            score_cache=self._scores,
+        )
 
     @torch.no_grad()
     def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
@@ -140,10 +160,19 @@ class Prefill:
             certified = {i: policies[i].has_certificate for i in rows}
             groups = _by_width(rows, comps, certified) if options.one_batch else [rows]
             rows = [i for g in groups for i in g]
-            state = CompressedState([
-                _build_bucket([comps[i] for i in g], [policies[i] for i in g], self, region=region,
-                              capacity=(n - region) + options.max_new_tokens + 1, oracle=options.oracle)
-                for g in groups])
+            state = CompressedState(
+                [
+                    _build_bucket(
+                        [comps[i] for i in g],
+                        [policies[i] for i in g],
+                        self,
+                        region=region,
+                        capacity=(n - region) + options.max_new_tokens + 1,
+                        oracle=options.oracle,
+                    )
+                    for g in groups
+                ]
+            )
             if when == "prompt":
                 first = self.last_logits.expand(len(rows), -1)
             else:
@@ -153,15 +182,20 @@ class Prefill:
                     first = forward_with_state(self.model, ids, pos, state)
             parts.append(_Part(rows=rows, state=state, comps=[comps[i] for i in rows], first_logits=first))
         if options.one_batch and len(parts) > 1:  # both sit at position n now: one batch, the buckets side by side
-            parts = [_Part(rows=[i for p in parts for i in p.rows],
-                           state=CompressedState([b for p in parts for b in p.state.buckets]),
-                           comps=[c for p in parts for c in p.comps],
-                           first_logits=torch.cat([p.first_logits for p in parts]))]
+            parts = [
+                _Part(
+                    rows=[i for p in parts for i in p.rows],
+                    state=CompressedState([b for p in parts for b in p.state.buckets]),
+                    comps=[c for p in parts for c in p.comps],
+                    first_logits=torch.cat([p.first_logits for p in parts]),
+                )
+            ]
         return CompressedBatch(model=self.model, policies=list(policies), parts=parts, start=n)
 
 
-def _by_width(rows: list[int], comps: dict[int, Compressed], certified: dict[int, bool],
-              ratio: float = 0.6) -> list[list[int]]:
+def _by_width(
+    rows: list[int], comps: dict[int, Compressed], certified: dict[int, bool], ratio: float = 0.6
+) -> list[list[int]]:
     """Rows with and without a certificate apart (top-k and full-cache rows then cost no certificate work), each
     sorted by kept width, widest first, and cut into buckets whose narrowest row keeps at least `ratio` of the widest
     one's tokens (padding inside a bucket stays under 1 / ratio)."""
@@ -193,24 +227,34 @@ class CompressedBatch:
     start: int  # position of the first generated token
 
     @torch.no_grad()
-    def decode(self, options: DecodeOptions, tokenizer=None, *,
-               on_step: Callable[[int], None] | None = None) -> list[VariantResult]:
+    def decode(
+        self, options: DecodeOptions, tokenizer=None, *, on_step: Callable[[int], None] | None = None
+    ) -> list[VariantResult]:
         """Greedy-decode every variant; results in the order of the policies."""
         out: dict[int, VariantResult] = {}
         with kvcert_attention_on(self.model):
             for part in self.parts:
-                rows = decode_batch(self.model, tokenizer, part.state, part.first_logits, self.start, options,
-                                    on_step=on_step)
+                rows = decode_batch(
+                    self.model, tokenizer, part.state, part.first_logits, self.start, options, on_step=on_step
+                )
                 for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(part.rows, part.comps, rows):
-                    out[i] = VariantResult(policy=self.policies[i], tokens=tokens, logprobs=logprobs, n_answer=n_ans,
-                                           answer=answer, kept_tokens=comp.kept_tokens, stats=stats,
-                                           compressed_layers=tuple(b.compressed for b in part.state.layers))
+                    out[i] = VariantResult(
+                        policy=self.policies[i],
+                        tokens=tokens,
+                        logprobs=logprobs,
+                        n_answer=n_ans,
+                        answer=answer,
+                        kept_tokens=comp.kept_tokens,
+                        stats=stats,
+                        compressed_layers=tuple(b.compressed for b in part.state.layers),
+                    )
         return [out[i] for i in range(len(self.policies))]
 
 
 # ------------------------------------------------------------------------------------------------ the buffers
-def _build_bucket(comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int,
-                  oracle: bool) -> Bucket:
+def _build_bucket(
+    comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int, oracle: bool
+) -> Bucket:
     """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
     The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
     layers = []
@@ -238,9 +282,22 @@ def _build_bucket(comps: list[Compressed], policies: list[Policy], prefill: Pref
             positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=k_full.device)
             for row, c in enumerate(comps):
                 positions[row, : c.indices[layer].shape[-1]] = c.indices[layer][0]
-        layers.append(LayerBuffers(keys=keys, values=values, offset=offset, one_minus_pi=omp,
-                                   value_sq_norms=values[:, :, :slots].square().sum(-1), tail_slots=slots,
-                                   length=width, oracle_keys=own, oracle_values=None if own is None else own.clone(),
-                                   compressed=window is None, window=window, positions=positions, prefix=width))
+        layers.append(
+            LayerBuffers(
+                keys=keys,
+                values=values,
+                offset=offset,
+                one_minus_pi=omp,
+                value_sq_norms=values[:, :, :slots].square().sum(-1),
+                tail_slots=slots,
+                length=width,
+                oracle_keys=own,
+                oracle_values=None if own is None else own.clone(),
+                compressed=window is None,
+                window=window,
+                positions=positions,
+                prefix=width,
+            )
+        )
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
     return Bucket(layers, certificate_rows=rows, oracle_prefix=prefill.oracle_prefix(region) if oracle else None)

@@ -93,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", default="paul_graham")
     parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "1")))
-    parser.add_argument("--prompt-format", default=None, choices=["auto", "chat", "plain"],
-                        help="default: the embedded model's format, else auto (chat if the tokenizer has a template)")
+    parser.add_argument(
+        "--prompt-format",
+        default=None,
+        choices=["auto", "chat", "plain"],
+        help="default: the embedded model's format, else auto (chat if the tokenizer has a template)",
+    )
     parser.add_argument("--also-model", default=None, help="a second model measured in the same run (cost comparison)")
     parser.add_argument("--also-n", type=int, default=None, help="n per cell for --also-model (default: --n)")
     parser.add_argument("--out", default=None, help="default: results/tables/task_calibration[_<model>].csv")

@@ -23,6 +23,12 @@ def select(
     generator: torch.Generator | None = None,
 ) -> Selection:
     return randomized_select(
-        scores, n_keep, tail_fraction=tail_fraction, floor=floor, score_power=score_power,
-        generator=generator, offset=False, design="randomized_no_offset",
+        scores,
+        n_keep,
+        tail_fraction=tail_fraction,
+        floor=floor,
+        score_power=score_power,
+        generator=generator,
+        offset=False,
+        design="randomized_no_offset",
     )
