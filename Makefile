@@ -54,11 +54,11 @@ pilot: $(STAMP) ## the pilot runs that chose the locked design parameters (disjo
 lock: $(STAMP) ## hash the pre-registration into preregistration/LOCK.json
 	$(PY) -m kvcert.prereg lock
 
-verify-lock: $(STAMP) ## fail if any locked file changed since the lock
+verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify
 
-reproduce: $(STAMP) ## lock check -> every claim -> analysis -> scorecard + figures (resumable)
-	$(PY) -m kvcert.prereg verify --allow-deviations
+reproduce: $(STAMP) ## lock check (refuses an unrecorded deviation) -> every claim -> analysis -> scorecard + figures (resumable)
+	$(PY) -m kvcert.prereg verify
 	$(PY) -m kvcert.reproduce run
 	$(PY) -m kvcert.reproduce analyze
 

@@ -101,8 +101,14 @@ def test_cli_exit_codes(tree):
     assert failed.returncode == 1
     lines = failed.stderr.strip().splitlines()
     assert len(lines) == 1 and "preregistration/PREREGISTRATION.md" in lines[0]
-    allowed = _cli("verify", "--allow-deviations", "--root", str(tree))
+    refused = _cli("verify", "--allow-deviations", "--root", str(tree))  # unrecorded: refused, whatever the flag
+    assert refused.returncode == 1 and "record it in preregistration/DEVIATIONS.md" in refused.stderr
+    deviations = tree / "preregistration/DEVIATIONS.md"
+    previous = deviations.read_text() if deviations.exists() else "# Deviations\n\n## Log\n"
+    deviations.write_text(previous + "\n### 2026-12-03 preregistration/PREREGISTRATION.md\n- what: an edit\n")
+    allowed = _cli("verify", "--root", str(tree))
     assert allowed.returncode == 0 and allowed.stderr.startswith("warning:")
+    assert _cli("verify", "--strict", "--root", str(tree)).returncode == 1
 
 
 def test_repository_files_exist_for_the_lock():

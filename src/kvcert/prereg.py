@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--allow-deviations",
         action="store_true",
-        help="verify: warn instead of failing; the scorecard marks the run as deviating",
+        help="verify: accept deviations recorded in DEVIATIONS.md (the default; kept for old commands)",
     )
+    parser.add_argument("--strict", action="store_true", help="verify: fail on any deviation, recorded or not")
     args = parser.parse_args(argv)
     root = args.root or _find_root(Path.cwd())
 
@@ -149,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
             else f"not recorded in DEVIATIONS.md: {', '.join(res['unrecorded'])}"
         )
         msg = f"pre-registration deviates: {'; '.join(parts)} ({note})"
-    if args.allow_deviations:
+    # a deviation recorded in DEVIATIONS.md is allowed (the scorecard marks the run); an unrecorded one never is
+    if res["status"] == "deviates" and res["deviations_recorded"] and not args.strict:
         print(f"warning: {msg}; continuing, the scorecard marks this run", file=sys.stderr)
         return 0
-    print(f"error: {msg}", file=sys.stderr)
+    fix = " (record it in preregistration/DEVIATIONS.md before running)" if res["status"] == "deviates" else ""
+    print(f"error: {msg}{fix}", file=sys.stderr)
     return 1
 
 
