@@ -5,34 +5,21 @@ and sliding-window layers are kept exactly (no certificate)."""
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from conftest import hf_greedy
 from kvcert.hf import DecodeOptions, Prefill, Prompt, generate_variants
 from kvcert.policy import FULL, Policy
+from kvcert.testing import tiny_gemma3_model
 
 N, QS, STEPS, WINDOW = 96, 70, 6, 24
 
 
 def tiny_gemma3(seed=0):
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        sliding_window=WINDOW,
-        query_pre_attn_scalar=24,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        rope_parameters=None,
+    """kvcert.testing's tiny Gemma 3 (randomized q/k norms) with layers [sliding, full, sliding, full], window 24."""
+    model, _ = tiny_gemma3_model(
+        seed, num_hidden_layers=4, sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"] * 2
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
-    return model.eval()
+    return model
 
 
 def _prompt(seed=0):
@@ -92,4 +79,4 @@ def test_records_summarise_the_compressed_layers_only():
     )
     row = example_frame("run", ex, N, results).iloc[1]
     assert row.uncompressed_layers == "0,2" and not row.nonfinite
-    assert row.steps_total == results[1].n_answer * 2 * 2  # compressed layers x query heads
+    assert row.steps_total == results[1].n_answer * 2 * model.config.num_attention_heads  # compressed layers
