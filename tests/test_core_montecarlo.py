@@ -1,12 +1,15 @@
 """Monte Carlo over Poisson draws: the certificate's variance is unbiased where the theory holds, and covers.
 
-The mis-scored and very peaked regimes are printed, not asserted (SPEC section 2: coverage drops there; the numbers
-are recorded in the README). Run `pytest -s tests/test_core_montecarlo.py` to see them.
+The README's regime table (well-scored, mis-scored, very peaked) is regenerated and compared digit for digit, so the
+ranges it states are the ones the code gives. Run `pytest -s tests/test_core_montecarlo.py` to see the numbers.
 """
+
+import re
+from pathlib import Path
 
 import torch
 
-from kvcert.core.simulate import monte_carlo, random_problem
+from kvcert.core.simulate import monte_carlo, random_problem, regime_table
 
 DRAWS = 2000
 
@@ -34,21 +37,29 @@ def test_without_the_offset_the_estimator_is_biased():
         assert without["bias_norm"] > 10 * without["bias_se"]
 
 
-def test_print_hard_regimes(capsys):
+def _readme_rows() -> dict:
+    """The README's regime table: (regime, budget, floor) -> the coverage and E[V_hat]/MSE ranges as printed."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = {}
+    for m in re.finditer(
+        r"^\| (well-scored|mis-scored|very peaked) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.-]+) \|$", text, re.M
+    ):
+        rows[(m[1], float(m[2]), float(m[3]))] = (m[4], m[5])
+    return rows
+
+
+def test_regime_table_reproduces_the_readme_ranges(capsys):
+    """`python -m kvcert.core.simulate` regenerates the README's table (floor 0.2 rows) digit for digit."""
+    readme = _readme_rows()
+    assert len(readme) == 12
     rows = []
-    for name, problem in [
-        ("mis-scored (window query far from decode query)", dict(peakedness=2.0, window_noise=3.0)),
-        ("very peaked attention", dict(peakedness=6.0, window_noise=0.3)),
-    ]:
-        for budget in (0.25, 0.5):
-            r = _run(7, budget, **problem)
-            rows.append(
-                f"{name:50s} budget {budget:.2f}: coverage {r['coverage']:.3f}, "
-                f"E[V_hat]/MSE {r['vhat_over_mse']:.3f}, MSE {r['mse']:.3g}"
-            )
+    for r in regime_table(floors=(0.2,)):
+        cov = f"{r['coverage_min']:.3f}-{r['coverage_max']:.3f}"
+        ratio = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+        assert readme[(r["regime"], r["budget"], r["floor"])] == (cov, ratio), r
+        rows.append(f"{r['regime']:12s} budget {r['budget']:.2f}: coverage {cov}, E[V_hat]/MSE {ratio}")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
-    assert len(rows) == 4
 
 
 def test_failure_regimes_reproduce_the_study1_pattern():
