@@ -61,6 +61,7 @@ def test_compressed_cache_keeps_original_positions():
     ours = generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=3))[0]
     first = ours.tokens[0]
 
+    @torch.no_grad()
     def step_logprob(position):
         cache = _kept_cache(model, ids, policy)
         model.set_attn_implementation("sdpa")
