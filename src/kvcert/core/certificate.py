@@ -298,7 +298,7 @@ def conservative_radius(trace_c: torch.Tensor, level: float = 0.95) -> torch.Ten
 def tail_diagnostics(
     weights: torch.Tensor, one_minus_pi: torch.Tensor, *, tail_slots: int, prefix: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Cheap reductions of one step's attention weights p (..., T, L) over the slot layout of a Selection / compressed bucket:
+    """Cheap reductions of one step's attention weights p (..., T, L) over the slot layout of a Selection / bucket:
     tail tokens first (pi < 1, one_minus_pi > 0, within the first tail_slots), then head (pi = 1), then padding
     (p = 0), then -- from `prefix` on -- tokens appended after compression (pi = 1, not counted as head).
 
