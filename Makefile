@@ -6,6 +6,7 @@ STAMP  := $(VENV)/.installed
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
+STUDY ?= study1
 
 .DEFAULT_GOAL := help
 .PHONY: help install test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
@@ -51,11 +52,11 @@ run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." fo
 pilot: $(STAMP) ## the pilot runs that chose the locked design parameters (disjoint seeds)
 	$(PY) -m kvcert.reproduce pilot
 
-lock: $(STAMP) ## hash the pre-registration into preregistration/LOCK.json
-	$(PY) -m kvcert.prereg lock
+lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=study1 | study2)
+	$(PY) -m kvcert.prereg lock --study $(STUDY)
 
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
-	$(PY) -m kvcert.prereg verify
+	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
 reproduce: $(STAMP) ## lock check (refuses an unrecorded deviation) -> every claim -> analysis -> scorecard + figures (resumable)
 	$(PY) -m kvcert.prereg verify

