@@ -93,13 +93,13 @@ def compress(
     indices = torch.cat([sel.indices, always], dim=-1)
     offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
     omp = sel.one_minus_pi[..., : sel.tail_slots]
-    kept_counts = sel.kept_counts.double() + n_forced  # (L, Hkv)
+    kept_counts = sel.kept_counts.double()  # (L, Hkv) drawn tokens; + n_forced after the mean (float order)
     out = Compressed(
         indices=list(indices),
         offset=list(offset),
         one_minus_pi=list(omp),
         tail_slots=[sel.tail_slots] * n_layers,
-        kept_tokens=float(kept_counts.mean()),
+        kept_tokens=float(kept_counts.mean()) + n_forced,
     )
     windows = layer_windows or [None] * n_layers
     if all(w is None for w in windows):
@@ -112,7 +112,7 @@ def compress(
             out.offset[layer] = torch.zeros(n_kv, region - lo_w, device=device)
             out.one_minus_pi[layer] = out.one_minus_pi[layer][:, :0]
             out.tail_slots[layer] = 0
-    kept = float(kept_counts[full].mean()) if full else float("nan")  # the budget's layers only
+    kept = float(kept_counts[full].mean()) + n_forced if full else float("nan")  # the budget's layers only
     return Compressed(
         indices=out.indices,
         offset=out.offset,
