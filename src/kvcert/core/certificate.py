@@ -373,35 +373,6 @@ def certificate_trusted(ess_tail, tail_mass, n_tail):
     return (ess_tail >= TRUSTED_ESS_MIN) & (tail_mass >= TRUSTED_TAIL_MASS_MIN) & (ratio >= TRUSTED_ESS_RATIO_MIN)
 
 
-def sketched_trace_c2_direct(
-    weights: torch.Tensor,
-    one_minus_pi: torch.Tensor,
-    vr: torch.Tensor,
-    output: torch.Tensor,
-    sketch: torch.Tensor,
-    trace_c: torch.Tensor,
-) -> torch.Tensor:
-    """The decode hot path's form of `sketched_trace_c2(method="ratio", debias="sketch")`: the same estimate from
-    V_tail R alone (vr (..., s, k), kept once per compression), with the k x k sketch C_S built directly,
-    C_S = (a * S)^T S, S_i = VR_i - o_hat R, a = (1 - pi) p^2, instead of from per-token features (which would cost
-    k(k+1)/2 + 3k + 3 floats per tail token to keep, or to rebuild every step). Per query head ~3 s k^2 flops."""
-    d, k = sketch.shape
-    s = vr.shape[-2]
-    omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)  # (..., 1, s)
-    a = omp * weights[..., :s].square()  # (..., T, s)
-    y = output @ sketch.to(output.dtype)  # (..., T, k)
-    big_s = vr.unsqueeze(-3) - y.unsqueeze(-2)  # (..., T, s, k)
-    c_s = (big_s * a.unsqueeze(-1)).transpose(-1, -2) @ big_s  # (..., T, k, k)
-    t2 = c_s.square().sum((-1, -2))
-    t1 = c_s.diagonal(dim1=-2, dim2=-1).sum(-1)
-    psi = t2 / t1.square().clamp_min(torch.finfo(t1.dtype).tiny)
-    x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
-    tc2_max = trace_c.square()
-    d4 = (omp * a.square() * big_s.square().sum(-1).square()).sum(-1)  # sum (1 - pi) a^2 ||S_i||^4
-    est = x * tc2_max - d4.clamp_min(0) / (k * (k + 2))
-    return torch.minimum(torch.maximum(est, tc2_max / d), tc2_max)
-
-
 # ------------------------------------------------------------------------------------------------ the hot path
 def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
     """(a) once per compression, for `trace_c2_from_features`: per tail token [VR_i VR_i^T (k^2) | VR_i | q_i VR_i |

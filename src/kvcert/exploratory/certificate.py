@@ -22,6 +22,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
+from kvcert.core.certificate import TRUSTED_ESS_MIN, TRUSTED_ESS_RATIO_MIN, TRUSTED_TAIL_MASS_MIN
+
 TAIL_MASS_EDGES = (0.0, 1e-3, 1e-2, 0.1, np.inf)
 TAIL_MASS_LABELS = ("<1e-3", "[1e-3,1e-2)", "[1e-2,0.1)", ">=0.1")
 ESS_EDGES = (0.0, 2.0, 5.0, 10.0, 30.0, np.inf)
@@ -280,7 +282,11 @@ def nominal_level_of_multiplier(m: float, level: float = 0.95) -> float:
 
 
 def certificate_trusted(
-    steps: pd.DataFrame, *, ess_min: float = 10.0, tail_mass_min: float = 1e-2, ess_ratio_min: float = 0.3
+    steps: pd.DataFrame,
+    *,
+    ess_min: float = TRUSTED_ESS_MIN,
+    tail_mass_min: float = TRUSTED_TAIL_MASS_MIN,
+    ess_ratio_min: float = TRUSTED_ESS_RATIO_MIN,
 ) -> pd.Series:
     """Regime flag from recorded per-cell statistics: the certificate is reported as trusted only where the tail
     has at least ess_min effective samples AND carries at least tail_mass_min of the attention AND (when
