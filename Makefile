@@ -58,13 +58,15 @@ lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=stud
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
-reproduce: $(STAMP) ## lock check (refuses an unrecorded deviation) -> every claim -> analysis -> scorecard + figures (resumable)
-	$(PY) -m kvcert.prereg verify
-	$(PY) -m kvcert.reproduce run
-	$(PY) -m kvcert.reproduce analyze
+reproduce: $(STAMP) ## both studies: lock checks (refuse unrecorded deviations) -> every claim -> published records -> scorecards + figures (resumable; progress in results/reproduce.log)
+	$(PY) -m kvcert.prereg verify --study study1
+	$(PY) -m kvcert.prereg verify --study study2
+	$(PY) -m kvcert.reproduce run --study all
+	$(PY) -m kvcert.reproduce publish --study all
+	$(PY) -m kvcert.reproduce analyze --study all
 
-analyze: $(STAMP) ## recompute tables, figures and the scorecard from the records
-	$(PY) -m kvcert.reproduce analyze
+analyze: $(STAMP) ## recompute both studies' tables, figures and the scorecard from the published records (< 1 min, no model)
+	$(PY) -m kvcert.reproduce analyze --study all
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)
 	$(PY) -m kvcert.bench $(BENCH_ARGS)

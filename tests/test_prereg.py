@@ -122,6 +122,7 @@ def test_study2_lock_is_wider_and_records_package_versions(tree, monkeypatch):
     (tree / "preregistration/study2").mkdir(parents=True)
     (tree / "preregistration/study2/predictions.yaml").write_text("claims: {}\n")
     (tree / "preregistration/study2/PLAN.md").write_text("# plan 2\n")
+    (tree / "preregistration/study2/conformal_by_layer.csv").write_text("layer,multiplier_tight\n0,1.1\n")
     (tree / "conf/model").mkdir(parents=True)
     (tree / "conf/model/smollm2.yaml").write_text("name: smollm2\n")
     prereg.lock(tree)

