@@ -12,6 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import hydra
@@ -55,9 +56,38 @@ def _record_config(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.masked_copy(cfg, [k for k in (*RESULT_KEYS, "name") if k in cfg]))
 
 
-def run_cell(cfg: DictConfig, *, model=None, tokenizer=None, after_shard: Callable[[int], None] | None = None) -> Path:
+def progress(message: str, log: Path | None = None, *, echo: bool = True) -> None:
+    """One progress line: printed as "[kvcert] <message>" (echo), and with `log` appended to that file with an ISO
+    timestamp and flushed at once (a long run can be followed with `tail -f`). No logging framework: Hydra's own
+    logging setup is left alone."""
+    if echo:
+        print(f"[kvcert] {message}", flush=True)
+    if log is not None:
+        log = Path(log)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("a") as f:
+            f.write(f"{datetime.now().astimezone().isoformat(timespec='seconds')} [kvcert] {message}\n")
+            f.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(int(round(seconds)), 0)
+    h, rest = divmod(seconds, 3600)
+    return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def run_cell(
+    cfg: DictConfig,
+    *,
+    model=None,
+    tokenizer=None,
+    after_shard: Callable[[int], None] | None = None,
+    log: Path | None = None,
+) -> Path:
     """Run (or resume) one cell; returns its results folder. model/tokenizer may be passed in (tests);
-    after_shard(n_written) runs after each written shard (tests use it to simulate a kill)."""
+    after_shard(n_written) runs after each written shard (tests use it to simulate a kill). With `log`, every
+    progress line (cell start, each shard with examples done / total, elapsed and ETA, cell complete or skipped) is
+    also appended, timestamped, to that file; log=None prints exactly what it always did."""
     validate(cfg)
     run_dir = Path(cfg.results_dir) / result_name(cfg)
     config_text = _record_config(cfg)
@@ -66,7 +96,8 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None, after_shard: Callab
         raise ConfigError(f"{run_dir} holds records of a different config; set name=<new folder> or remove it")
     store = ShardStore(run_dir)
     if store.complete:
-        print(f"[kvcert] {run_dir.name}: complete, skipped")
+        progress(f"{run_dir.name}: complete, skipped")
+        progress(f"{run_dir.name}: skipped: complete ({run_dir})", log, echo=False)
         return run_dir
     torch.set_num_threads(int(cfg.threads))
     if model is None:
@@ -82,16 +113,32 @@ def run_cell(cfg: DictConfig, *, model=None, tokenizer=None, after_shard: Callab
     variants = policies(cfg)
     started = time.perf_counter()
     todo = [i for i in range(len(examples)) if not store.is_done(i)]
+    done = len(examples) - len(todo)
+    progress(
+        f"{run_dir.name}: start in {run_dir}: {len(examples)} examples, {len(todo)} shards to write"
+        f" ({done} already written), {len(variants)} variants, {int(cfg.threads)} threads",
+        log,
+        echo=False,
+    )
     for written, index in enumerate(tqdm(todo, desc=run_dir.name[:60], unit="ex", dynamic_ncols=True, disable=None), 1):
         example = examples[index]
         prompt = render(example, tokenizer, cfg.model.prompt_format)
         results = generate_variants(model, tokenizer, prompt, variants, decode_options(cfg, prompt.stop_strings))
         steps = step_frame(run_dir.name, example.id, results) if cfg.records.steps == "head" else None
         store.write(index, example_frame(run_dir.name, example, len(prompt.input_ids), results), steps)
+        if log is not None:
+            elapsed = time.perf_counter() - started
+            eta = elapsed / written * (len(todo) - written)
+            progress(
+                f"{run_dir.name}: shard {index} done: {done + written}/{len(examples)} examples, "
+                f"elapsed {_duration(elapsed)}, ETA {_duration(eta)}",
+                log,
+                echo=False,
+            )
         if after_shard is not None:
             after_shard(written)
     examples_df, _ = store.merge(len(examples))
-    _summary(run_dir.name, examples_df, time.perf_counter() - started)
+    _summary(run_dir.name, examples_df, time.perf_counter() - started, log)
     return run_dir
 
 
@@ -111,15 +158,17 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
     )
 
 
-def _summary(name: str, df: pd.DataFrame, seconds: float) -> None:
+def _summary(name: str, df: pd.DataFrame, seconds: float, log: Path | None = None) -> None:
     full = df[df.design == "full"]
     cert = df[df.has_certificate & (df.steps_total > 0)]
     cov = cert.steps95.sum() / max(cert.steps_total.sum(), 1)
-    print(
-        f"[kvcert] {name}: {full.example_id.nunique()} examples x {df.variant.nunique()} variants in {seconds:.0f}s; "
+    progress(
+        f"{name}: {full.example_id.nunique()} examples x {df.variant.nunique()} variants in {seconds:.0f}s; "
         f"full-cache accuracy {full.correct.mean():.2f}, policy accuracy {df[df.design != 'full'].correct.mean():.2f}"
-        f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells"
+        f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells",
+        log,
     )
+    progress(f"{name}: complete: {full.example_id.nunique()} examples in {_duration(seconds)}", log, echo=False)
 
 
 @hydra.main(version_base="1.3", config_path="../../conf", config_name="config")

@@ -1,0 +1,148 @@
+"""The two-study scorecard (kvcert.studies.scorecard) from per-study scorecards built by the locked
+build_scorecard: studies object, replication labels, the inconclusive-direction footer, strict JSON."""
+
+import json
+
+from kvcert.analysis.claims import ClaimResult
+from kvcert.analysis.scorecard import build_scorecard
+from kvcert.studies.scorecard import combined_html, combined_markdown, combined_scorecard, write_combined
+
+IDS = ["C1", "C2", "C3", "T1"]
+VERIFIED = {"status": "verified", "changed": [], "missing": [], "added": []}
+UNLOCKED = {"status": "unlocked"}
+
+
+def _cond(metric, direction, threshold, est, status="undecided"):
+    value = {"estimate": est, "lo": est - 1, "hi": est + 1}
+    return {"metric": metric, "direction": direction, "threshold": threshold, "status": status, "value": value}
+
+
+def _claim(cid, verdict, observed, paper, conditions=None, **kw):
+    return ClaimResult(
+        id=cid,
+        claim=f"claim {cid}",
+        verdict=verdict,
+        observed=observed,
+        ci=[observed - 1, observed + 1],
+        paper_verdict=paper,
+        conditions=conditions or [_cond("m", ">", 0.0, observed)],
+        n_examples=100,
+        **kw,
+    )
+
+
+def _t1(ratio_hi=1.05):
+    return ClaimResult(
+        id="T1",
+        verdict="supported",
+        observed=1.0,
+        ci=[0.98, ratio_hi],
+        paper_verdict="supported",
+        unit="ratio",
+        details={"ci_kind": "range over lambda of mean V_hat / MSE (not a confidence interval)"},
+    )
+
+
+def _cards():
+    s1 = build_scorecard(
+        [
+            _claim("C1", "refuted", -3.0, "supported"),
+            _claim("C2", "supported", 4.0, "supported"),
+            # inconclusive, paper refutes, estimate on the predicted side: against the paper
+            _claim("C3", "inconclusive", float("nan"), "refuted", [_cond("gain", ">=", 2.0, 3.5)]),
+            _t1(),
+        ],
+        VERIFIED,
+        ids=IDS,
+    )
+    s1["profile"] = "confirmatory"
+    s2 = build_scorecard(
+        [
+            _claim("C1", "refuted", -2.0, "supported"),
+            _claim("C2", "refuted", -4.0, "supported"),
+            # C3: missing from study 2 (not evaluated); T1 with an infinite bound -> null
+            _t1(float("inf")),
+        ],
+        UNLOCKED,
+        ids=IDS,
+    )
+    return s1, s2
+
+
+def test_studies_object_side_by_side_and_replication():
+    s1, s2 = _cards()
+    card = combined_scorecard(
+        {"study1": s1, "study2": s2},
+        secondary={"S1": {"estimate": 0.94, "lo": 0.93, "hi": float("nan"), "status": "undecided"}},
+        power={"C1": {"target_n": 360}},
+    )
+    assert list(card["studies"]) == ["study1", "study2"]
+    st1 = card["studies"]["study1"]
+    assert st1["lock"]["line"] == "Pre-registration: locked and verified" and st1["profile"] == "confirmatory"
+    assert [c["id"] for c in st1["claims"]] == IDS
+    assert all(c["interval"] == c["ci"] for c in st1["claims"])
+    assert card["studies"]["study2"]["secondary"]["S1"]["hi"] is None
+    rows = {r["id"]: r for r in card["side_by_side"]}
+    assert [r["id"] for r in card["side_by_side"]] == IDS
+    assert rows["C1"]["replication"] == "replicated"
+    assert rows["C2"]["replication"] == "flipped"
+    assert rows["C3"]["replication"] == "open"
+    assert rows["C3"]["studies"]["study2"]["verdict"] == "not evaluated"
+    assert rows["C1"]["studies"]["study2"]["observed"] == -2.0 and rows["C1"]["paper_verdict"] == "supported"
+    assert card["footer"]["power"] == {"study2": [{"id": "C1", "n": 100, "target_n": 360, "reaches_target": False}]}
+    assert "not a confidence interval" in card["footer"]["t1_interval"]["text"]
+    assert "multiplicity" in card["footer"]["multiplicity"]
+
+
+def test_inconclusive_direction_relative_to_the_paper():
+    s1, s2 = _cards()
+    toward = build_scorecard(
+        [_claim("C1", "inconclusive", 0.5, "supported", [_cond("a", ">", 0.0, 0.5), _cond("b", ">=", 1.0, 1.2)])],
+        UNLOCKED,
+        ids=["C1"],
+    )
+    against = build_scorecard(
+        [_claim("C1", "inconclusive", 0.5, "supported", [_cond("a", ">", 0.0, 0.5), _cond("b", ">=", 1.0, 0.2)])],
+        UNLOCKED,
+        ids=["C1"],
+    )
+    undefined = build_scorecard(
+        [_claim("C1", "inconclusive", 0.5, "supported", [_cond("a", ">", 0.0, float("nan"))])], UNLOCKED, ids=["C1"]
+    )
+    card = combined_scorecard({"study1": s1, "study2": toward, "s3": against, "s4": undefined})
+    d = card["footer"]["inconclusive_direction"]
+    assert [(x["id"], x["direction"]) for x in d["study1"]] == [("C3", "against")]
+    assert d["study1"][0]["conditions"][0] == {
+        "metric": "gain",
+        "direction": ">=",
+        "threshold": 2.0,
+        "estimate": 3.5,
+        "side": "predicted",
+    }
+    assert d["study2"][0]["direction"] == "toward the paper's verdict"
+    assert d["s3"][0]["direction"] == "against"
+    assert d["s4"][0]["direction"] == "n/a"
+    assert d["study1"][0]["paper_verdict"] == "refuted"
+
+
+def test_strict_json_markdown_and_html(tmp_path):
+    s1, s2 = _cards()
+    card = combined_scorecard({"study1": s1, "study2": s2}, secondary={"S4": {"estimate": 0.001, "status": "met"}})
+    fig = tmp_path / "figures" / "f.png"
+    fig.parent.mkdir()
+    fig.write_bytes(b"")
+    paths = write_combined(card, tmp_path / "combined", [fig])
+    text = paths["json"].read_text()
+    assert text.endswith("}\n") and "NaN" not in text and "Infinity" not in text
+    loaded = json.loads(text)
+    assert loaded["side_by_side"][2]["studies"]["study1"]["observed"] is None  # NaN -> null
+    assert loaded["studies"]["study2"]["claims"][-1]["ci"] == [0.98, None]  # inf -> null
+    md = paths["md"].read_text()
+    assert "- study1: Pre-registration: locked and verified" in md
+    assert "- study2: Pre-registration: NOT LOCKED" in md
+    assert "| C2: claim C2 | supported 4.000 [3.000, 5.000] | refuted -4.000 [-5.000, -3.000] |" in md
+    assert "not evaluated" in md and "flipped" in md and "| S4 |" in md and "range [0.980, 1.050]" in md
+    assert md == combined_markdown(card)
+    page = paths["html"].read_text()
+    assert page == combined_html(card, ["../figures/f.png"]) and 'src="../figures/f.png"' in page
+    assert "NOT LOCKED" in page and "S4" in page
