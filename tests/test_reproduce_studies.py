@@ -38,7 +38,7 @@ def test_study1_settings_are_the_confirmatory_profile():
     assert list(registry(st["predictions"], st["claims"])) == list(registry())
     s2 = rep.settings("study2", "smoke")
     assert s2["out"] == rep.ROOT / "results" / "study2" / "smoke"
-    assert "decode.one_batch=true" in s2["overrides"] and s2["overrides"][-1] == "threads=1"
+    assert "decode.one_batch=true" in s2["overrides"] and s2["overrides"][-1] == "threads=2"
     assert f"results_dir={s2['out'] / 'runs'}" in s2["overrides"]
     with pytest.raises(ValueError, match="unknown study"):
         rep.settings("study3")
@@ -65,6 +65,7 @@ def study2_tree(tmp_path, monkeypatch):
         "claims": conf / "claim" / "study2",
         "out": out,
         "overrides": [*rep.STUDIES["study2"]["overrides"], *TINY, f"results_dir={tmp_path / 'runs'}"],
+        "threads": 1,  # not the process's 2 threads, so that pinning is visible
     }
     monkeypatch.setitem(rep.STUDIES, "study2", entry)
     return entry
@@ -120,8 +121,36 @@ def test_run_study2_pins_threads_and_logs(study2_tree, tiny_smol, monkeypatch):
 def test_all_runs_each_study(monkeypatch):
     calls = []
     monkeypatch.setattr(rep, "run_claims", lambda profile, only=None, *, study: calls.append(("run", study)))
-    monkeypatch.setattr(rep, "analyze", lambda profile, *, study: calls.append(("analyze", study)))
+    monkeypatch.setattr(rep, "analyze", lambda profile, *, study: calls.append(("analyze", study)) or {"id": study})
+    monkeypatch.setattr(rep, "publish", lambda profile, *, study: calls.append(("publish", study)))
+    monkeypatch.setattr(rep, "combine", lambda cards, profile: calls.append(("combine", sorted(cards))))
     assert rep.main(["analyze", "--study", "all"]) == 0
     assert rep.main(["run"]) == 0
-    assert calls == [("analyze", "study1"), ("analyze", "study2"), ("run", "study1")]
+    assert rep.main(["publish", "--study", "study2"]) == 0
+    assert calls == [
+        ("analyze", "study1"),
+        ("analyze", "study2"),
+        ("combine", ["study1", "study2"]),  # the two-study scorecard only when both were analysed
+        ("run", "study1"),
+        ("publish", "study2"),
+    ]
     assert Path(rep.STUDIES["study2"]["claims"]).name == "study2"
+
+
+def test_study2_claims_share_one_pinned_cell_with_study2_seeds():
+    """Every study-2 claim composes to one results folder (one run), seed 2000, 1k/2k/4k, threads 2, no ablation."""
+    st = rep.settings("study2")
+    claims = registry(st["predictions"], st["claims"])
+    assert list(claims) == ["C1", "C2", "C3", "C4", "C5", "C6", "C7", "T1"]
+    names = set()
+    for cid, entry in claims.items():
+        cfg = rep.compose_claim(st["prefix"] + entry.experiment, st["overrides"])
+        assert cfg.threads == 2 and cfg.claim.id == cid
+        if cid == "T1":
+            assert 2000 <= cfg.claim.t1.seed <= 2999
+            continue
+        assert cfg.seed == 2000 and list(cfg.task.context_tokens) == [1000, 2000, 4000]
+        assert cfg.task.n_examples == 24 and len(cfg.task.tasks) == 5
+        assert {d for g in cfg.policy.grid for d in g.designs} == {"topk", "randomized"}
+        names.add(result_name(cfg))
+    assert len(names) == 1 and "s2000" in names.pop()

@@ -1,19 +1,22 @@
-"""Reproduce the seven claims and T1 end to end: pilot -> lock -> confirmatory runs -> analysis -> scorecard.
+"""Reproduce both studies end to end: (pilot -> lock ->) confirmatory runs -> published records -> analysis ->
+scorecards.
 
-    python -m kvcert.reproduce pilot      # the pilot that chose the locked design parameters (seeds 1000+)
-    python -m kvcert.reproduce run        # every claim experiment (conf/claim/*.yaml), resumable; then T1
-    python -m kvcert.reproduce analyze    # tables, figures, scorecard from the records (pure functions)
-    python -m kvcert.reproduce smoke      # run + analyze on a tiny profile into results/smoke/ (< 3 minutes)
+    python -m kvcert.reproduce run --study all       # every claim experiment of each study, resumable; then T1
+    python -m kvcert.reproduce publish --study all   # raw records -> results/<study>/published/ (committed)
+    python -m kvcert.reproduce analyze --study all   # claims, tables, figures, scorecards from the published records
+    python -m kvcert.reproduce smoke                 # run + publish + analyze on a tiny profile (< 3 minutes)
+    python -m kvcert.reproduce pilot                 # study 1's pilot (seeds 1000+)
 
-    python -m kvcert.reproduce run --study study2      # study 2 (conf/claim/study2/*.yaml) into results/study2/
-    python -m kvcert.reproduce analyze --study all     # study 1, then study 2
+`make reproduce` runs the first three for both studies after the two lock checks; `make analyze` runs the third
+alone (no model, no raw steps: under a minute). With both studies analysed, `combine` writes the two-study
+scorecard results/scorecard.{json,md,html}; each study's own scorecard is in results/study1/ and results/study2/.
 
 The claims, their order and their experiments come from the registry (kvcert.analysis.claims.registry: the ids of
 preregistration/predictions.yaml, each with the conf/claim/*.yaml naming it). Claim experiments that state the same
 data (model, tasks, policies, budgets, seed) share one results folder: the first runs it, the others find it
 complete.
 
-Studies (STUDIES; `--study`, default study1, so `make reproduce` is study 1 until it passes --study):
+Studies (STUDIES; `--study`, default study1; the Makefile passes `--study all`):
 
 - study1: preregistration/predictions.yaml, conf/claim/*.yaml (top level only), out results/, the decode path that
   produced its locked records (decode.one_batch=false, decode.drop_finished=false), lock preregistration/LOCK.json.
@@ -34,6 +37,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
@@ -43,6 +47,7 @@ from omegaconf import DictConfig
 from kvcert.analysis.claims import ClaimResult, registry
 from kvcert.config import result_name
 from kvcert.run import ROOT, progress, run_cell
+from kvcert.studies.published import load_published, write_published
 
 CONF = ROOT / "conf"
 PREDICTIONS = ROOT / "preregistration" / "predictions.yaml"
@@ -72,6 +77,9 @@ STUDIES: dict[str, dict] = {
         "overrides": PROFILES["confirmatory"]["overrides"],
         "threads": 2,  # conf/config.yaml's default, which produced the locked records
         "lock": "study1",  # kvcert.prereg.STUDIES
+        "scorecard": ROOT / "results" / "study1",  # its own scorecard; results/scorecard.* shows both studies
+        "published": ROOT / "results" / "study1" / "published",
+        "multipliers": None,
     },
     "study2": {
         "predictions": ROOT / "preregistration" / "study2" / "predictions.yaml",
@@ -79,10 +87,15 @@ STUDIES: dict[str, dict] = {
         "prefix": "study2/",
         "out": ROOT / "results" / "study2",
         "overrides": ["decode.one_batch=true", "decode.drop_finished=true"],
-        "threads": 1,  # single-thread workers (PLAN.md section 4, wall time)
+        "threads": 2,  # pinned by conf/claim/study2/*.yaml (PLAN.md D4)
         "lock": "study2",
+        "scorecard": ROOT / "results" / "study2",
+        "published": ROOT / "results" / "study2" / "published",
+        "multipliers": ROOT / "preregistration" / "study2" / "conformal_by_layer.csv",  # S2 (PLAN.md section 5)
     },
 }
+# N each claim needs for its decision margin (PLAN.md section 4, from study 1's per-example SDs)
+STUDY2_POWER_TARGET_N = {"C1": 13, "C2": 119, "C3": 273, "C4": 249, "C5": 304, "C6": 237, "C7": 354}
 
 
 def settings(study: str = "study1", profile: str = "confirmatory") -> dict:
@@ -104,6 +117,8 @@ def settings(study: str = "study1", profile: str = "confirmatory") -> dict:
             overrides = [*st["overrides"], *tiny, f"results_dir={st['out'] / 'runs'}"]
         st["overrides"] = overrides
         st["t1_draws"] = prof.get("t1_draws")
+        st["published"] = st["out"] / "published"
+        st["scorecard"] = st["out"] / "study1" if study == "study1" else st["out"]
     st["overrides"] = [*st["overrides"], f"threads={int(st['threads'])}"]
     st.setdefault("t1_draws", None)
     return st
@@ -172,37 +187,126 @@ def run_claims(profile: str = "confirmatory", only: list[str] | None = None, *, 
 
 
 # ------------------------------------------------------------------------------------------------------- analyze
-def _load_records(run_dir: Path, cache: dict) -> tuple[pd.DataFrame, pd.DataFrame | None]:
-    if run_dir not in cache:
-        if not (run_dir / "examples.parquet").exists():
-            raise FileNotFoundError(f"no records in {run_dir}; run `python -m kvcert.reproduce run` first")
-        steps = run_dir / "steps.parquet"
-        cache[run_dir] = (
-            pd.read_parquet(run_dir / "examples.parquet"),
-            pd.read_parquet(steps) if steps.exists() else None,
+def _c1_entry(claims: dict):
+    entries = [e for e in claims.values() if e.analysis == "coverage"]
+    if len(entries) != 1:
+        raise ValueError(f"expected one coverage claim in the predictions, found {len(entries)}")
+    return entries[0]
+
+
+def publish(profile: str = "confirmatory", *, study: str = "study1") -> Path:
+    """The study's published records (kvcert.studies.published) from its raw run folder: examples, the C1 cell
+    table, the C1 cells above z(0.95), meta.json -> <out>/published/."""
+    from kvcert.analysis import accuracy
+    from kvcert.studies import cells as cell_table
+    from kvcert.studies import published
+
+    st = settings(study, profile)
+    claims = registry(st["predictions"], st["claims"])
+    c1 = _c1_entry(claims)
+    cfg = compose_claim(st["prefix"] + c1.experiment, st["overrides"])
+    run_dir = Path(cfg.results_dir) / result_name(cfg)
+    if not (run_dir / "examples.parquet").exists() or not (run_dir / "steps.parquet").exists():
+        raise FileNotFoundError(
+            f"no complete records in {run_dir}; run `python -m kvcert.reproduce run --study {study}` first"
         )
-    return cache[run_dir]
+    examples = pd.read_parquet(run_dir / "examples.parquet")
+    rows = dict(c1.spec["rows"])
+    selected = accuracy.select_rows(examples, rows)
+    variants = sorted(
+        {
+            *selected.loc[selected["has_certificate"].astype(bool), "variant"],
+            *cell_table.full_cache_rows(examples).variant,
+        }
+    )
+    _, steps = cell_table.read_run(run_dir, variants)
+    floor = cell_table.numerical_floor_from_steps(examples, steps)
+    multipliers_path = st.get("multipliers")
+    multipliers = cell_table.read_multipliers(multipliers_path) if multipliers_path else None
+    cells, n_excluded = cell_table.coverage_cells(
+        examples, steps, rows=rows, multipliers=multipliers, numerical_floor=floor
+    )
+    exceed = published.exceedances(published.c1_cells(examples, steps, rows))
+    run_rel = run_dir.relative_to(ROOT) if run_dir.is_absolute() else run_dir
+    meta = {
+        "study": study,
+        "run": run_rel.as_posix(),
+        "c1_rows": rows,
+        "numerical_floor": floor,
+        "excluded_cells": int(n_excluded),
+        "multipliers": Path(multipliers_path).relative_to(ROOT).as_posix() if multipliers_path else None,
+        "n_c1_cells": int(cells["n_cells"].sum()),
+        "n_exceedances": int(len(exceed)),
+    }
+    out = st["published"]
+    write_published(out, examples=examples, cells=cells, exceed=exceed, meta=meta)
+    progress(
+        f"{study}: published {meta['n_c1_cells']} C1 cells ({len(cells)} groups) -> {out}", st["out"] / "reproduce.log"
+    )
+    return out
 
 
 def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
-    """The study's claims from its records: tables, figures and its own scorecard under its out folder, with its
-    own lock status (kvcert.prereg.verify(study=...))."""
+    """The study's claims from its published records (no model, no raw steps): tables, figures and its own
+    scorecard (<out>/scorecard.* for study 2, results/study1/ for study 1), with its own lock status; study 2
+    adds S1-S5 (kvcert.studies.secondary) to its scorecard and to tables/secondary.json."""
+    import yaml
+
+    from kvcert.analysis.scorecard import jsonable
     from kvcert.prereg import verify
+    from kvcert.studies import published
 
     st = settings(study, profile)
     out = st["out"]
     claims = registry(st["predictions"], st["claims"])
-    cache: dict = {}
-    records = {}
-    for cid, entry in claims.items():
-        if not _is_t1(entry.spec):
-            cfg = compose_claim(st["prefix"] + entry.experiment, st["overrides"])
-            records[cid] = _load_records(Path(cfg.results_dir) / result_name(cfg), cache)
+    pub = load_published(st["published"])
+    meta = pub["meta"]
+    steps = published.synthetic_steps(pub["cells"], pub["exceedances"])
+    c1 = _c1_entry(claims)
+    published.check_conformal_exact(steps, int(c1.spec.get("conformal_seed", 0)))
+    records = {cid: (pub["examples"], steps) for cid, entry in claims.items() if not _is_t1(entry.spec)}
     t1_path = out / "tables" / "t1.json"
     t1 = json.loads(t1_path.read_text()) if t1_path.exists() else None
-    runs = sorted({str(p.relative_to(ROOT)) if p.is_absolute() else str(p) for p in cache})
     predictions = {cid: entry.spec for cid, entry in claims.items()}
-    return analyze_records(records, t1, predictions, out, verify(ROOT, study=st["lock"]), profile=profile, runs=runs)
+    t1_evaluator = None
+    if study == "study2":
+        from kvcert.studies.t1 import evaluate_t1_study2 as t1_evaluator
+    card = analyze_records(
+        records,
+        t1,
+        predictions,
+        out,
+        verify(ROOT, study=st["lock"]),
+        profile=profile,
+        runs=[meta["run"]],
+        step_tables=False,
+        t1_evaluator=t1_evaluator,
+        scorecard_dir=st["scorecard"],
+    )
+    if study == "study2":
+        from kvcert.studies.secondary import evaluate_secondary
+
+        document = yaml.safe_load(Path(st["predictions"]).read_text())
+        secondary = evaluate_secondary(pub["examples"], pub["cells"], document)
+        (out / "tables" / "secondary.json").write_text(json.dumps(jsonable(secondary), indent=2) + "\n")
+        card["secondary"] = secondary
+    card["n_examples"] = int(pub["examples"]["example_id"].nunique())
+    return card
+
+
+def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
+    """The two-study scorecard (kvcert.studies.scorecard) -> results/scorecard.{json,md,html} (the profile's
+    study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
+    from kvcert.studies.scorecard import combined_scorecard, write_combined
+
+    power = {cid: {"target_n": n} for cid, n in STUDY2_POWER_TARGET_N.items()} if "study2" in cards else None
+    secondary = cards.get("study2", {}).get("secondary")
+    card = combined_scorecard(cards, secondary=secondary, power=power)
+    out = settings("study1", profile)["out"]
+    figures = [Path(f) for c in cards.values() for f in c.get("figures", [])]
+    paths = write_combined(card, out, figures)
+    print(f"[kvcert] two-study scorecard: {paths['md']}")
+    return card
 
 
 def analyze_records(
@@ -214,10 +318,17 @@ def analyze_records(
     *,
     profile: str,
     runs: list[str],
+    step_tables: bool = True,
+    t1_evaluator: Callable | None = None,
+    scorecard_dir: Path | None = None,
 ) -> dict:
     """Claims, tables, figures and the scorecard from records already loaded (claim id -> (examples, steps)),
     the T1 result and the lock status: everything `analyze` writes, with no config or file lookup. The claims
-    and their order are those of `predictions` (predictions.yaml's claims mapping)."""
+    and their order are those of `predictions` (predictions.yaml's claims mapping).
+
+    step_tables=False leaves the descriptive step tables (coverage_by_*.csv, calibration_by_design.csv: every
+    certified variant) as they are: published records hold the C1 cells only. t1_evaluator replaces study 1's
+    evaluate_t1 (study 2 adds a check); scorecard_dir (default `out`) is where scorecard.{json,md,html} go."""
     from kvcert.analysis.claims import evaluate_claim, evaluate_t1
     from kvcert.analysis.figures import make_figures
     from kvcert.analysis.scorecard import build_scorecard, jsonable, write_scorecard
@@ -229,7 +340,7 @@ def analyze_records(
     for cid, spec in predictions.items():
         if _is_t1(spec):
             if t1 is not None:
-                results[cid] = evaluate_t1(t1, spec)
+                results[cid] = (t1_evaluator or evaluate_t1)(t1, spec)
             continue
         examples, steps = records[cid]
         main_records = main_records or (examples, steps)
@@ -241,14 +352,15 @@ def analyze_records(
         )
     figures = make_figures(results, main_records[0] if main_records else None, t1, out / "figures")
     if main_records:
-        write_tables(*main_records, out, n_boot=500)
+        write_tables(main_records[0], main_records[1] if step_tables else None, out, n_boot=500)
     for cid, r in results.items():
         (out / "tables").mkdir(parents=True, exist_ok=True)
         (out / "tables" / f"claim_{cid.lower()}.json").write_text(json.dumps(jsonable(r.as_dict()), indent=2))
     card = build_scorecard(list(results.values()), lock_status, ids=list(predictions))
     card["profile"] = profile
     card["runs"] = runs
-    paths = write_scorecard(card, out, [Path(f) for f in figures])
+    paths = write_scorecard(card, scorecard_dir or out, [Path(f) for f in figures])
+    card["figures"] = [str(f) for f in figures]
     print(f"[kvcert] scorecard: {paths['md']}")
     return card
 
@@ -266,7 +378,7 @@ def pilot() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcert.reproduce", description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["run", "analyze", "pilot", "smoke"])
+    parser.add_argument("command", choices=["run", "publish", "analyze", "pilot", "smoke"])
     parser.add_argument("--profile", default="confirmatory", choices=sorted(PROFILES))
     parser.add_argument("--only", nargs="*", help="claim ids to run (default: all)")
     parser.add_argument("--study", default="study1", choices=[*STUDIES, "all"], help="default: study1")
@@ -280,14 +392,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pilot":
             pilot()  # study 1's pilot (study 2 has none: its design is study 1's, locked)
             return 0
+        profile = "smoke" if args.command == "smoke" else args.profile
+        cards = {}
         for study in studies:
-            if args.command == "run":
-                run_claims(args.profile, args.only, study=study)
-            elif args.command == "analyze":
-                analyze(args.profile, study=study)
-            else:
-                run_claims("smoke", study=study)
-                analyze("smoke", study=study)
+            if args.command in ("run", "smoke"):
+                run_claims(profile, args.only, study=study)
+            if args.command in ("publish", "smoke"):
+                publish(profile, study=study)
+            if args.command in ("analyze", "smoke"):
+                cards[study] = analyze(profile, study=study)
+        if len(cards) == len(STUDIES):
+            combine(cards, profile)
     except (ConfigError, ModelLoadError, TaskError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,7 +7,7 @@ study 1) stay git-ignored. What is committed under `results/<study>/published/`:
 - `cells.parquet`: kvcert.studies.cells.coverage_cells over the C1 rows: cell counts per (example, variant, layer,
   tail-mass bin, p_max bin, standardized-error bin, trusted), with the counts of every secondary radius;
 - `exceedances.parquet`: the C1 cells whose standardized error error / sqrt(V_hat) exceeds z(0.95), with their
-  error and variance as recorded (float32): the split-conformal quantile of C1 lives there;
+  error and variance as recorded (float32 in step records): the split-conformal quantile of C1 lives there;
 - `meta.json`: the run folder, the numerical floor, the levels and bins used.
 
 `synthetic_steps` turns cells + exceedances back into step rows on which the locked C1 analysis
@@ -79,8 +79,8 @@ def exceedances(
             "layer": sel["layer"].to_numpy().astype(np.int16),
             "tail_bin": _bin_index(sel["tail_mass"], tail_mass_bins),
             "pmax_bin": _bin_index(sel["p_max"], p_max_bins),
-            "error": sel["error"].to_numpy(np.float32),
-            "variance": sel["variance"].to_numpy(np.float32),
+            "error": sel["error"].to_numpy(),  # the recorded dtype (float32 in step records): exact on replay
+            "variance": sel["variance"].to_numpy(),
         }
     ).reset_index(drop=True)
 
@@ -125,8 +125,8 @@ def synthetic_steps(
             "example_id": exceed["example_id"].astype(str).to_numpy(),
             "variant": exceed["variant"].astype(str).to_numpy(),
             "layer": exceed["layer"].to_numpy().astype(np.int16),
-            "error": exceed["error"].to_numpy(np.float32).astype(np.float64),
-            "variance": exceed["variance"].to_numpy(np.float32).astype(np.float64),
+            "error": exceed["error"].to_numpy(np.float64),
+            "variance": exceed["variance"].to_numpy(np.float64),
             "tail_mass": tail_rep[exceed["tail_bin"].to_numpy().astype(np.int64) + 1],
             "p_max": pmax_rep[exceed["pmax_bin"].to_numpy().astype(np.int64) + 1],
         }
