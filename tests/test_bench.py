@@ -223,7 +223,14 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         assert _positive(data[key]), key
     assert "example_speedup" in data and (data["example_speedup"] is None or _positive(data["example_speedup"]))
     assert {(r["tokens"], r["variants"]) for r in data["prefill"]} == {(1024, 1), (1024, 8), (1024, 24)}
-    assert set(data["decode"]) == {"plain", "certificate", "certificate+oracle"}
+    assert set(data["decode"]) == {
+        "plain",
+        "certificate",
+        "certificate+oracle",
+        "certificate, no tight radius",
+        "certificate, tight radius every 8",
+    }
+    assert _positive(data["certificate_overhead_no_tight"]) and _positive(data["certificate_overhead_tight_every8"])
     roof = data["roofline"]
     assert len(roof["rows"]) == 3 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
     for r in roof["rows"]:

@@ -100,3 +100,43 @@ def test_answer_length_cuts_at_eos_and_stop_strings():
     assert answer_length(tok, ids, {0}, (".",)) == (2, "42")
     assert answer_length(tok, [ord("7"), 0, ord("9")], {0}, ()) == (1, "7")
     assert answer_length(None, [5, 6, 0], {0}, ()) == (2, "5 6")
+
+
+def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_smol):
+    """tight_radius_every=3: at steps 0, 3, 6 tr(C^2) equals the every-step value bit for bit; between, tr(C^2) /
+    V_hat^2 is the last refresh's (the effective dimension is carried, V_hat is not); every other statistic is
+    untouched; rows leaving the batch keep their own carried ratio."""
+    model, tok = tiny_smol
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    stops = (tok.decode([ids[7]]),)
+    policies = [FULL] + [
+        Policy(scorer=s, design="randomized", budget=b, seed=1)
+        for s in ("window_question", "streaming")
+        for b in (0.3, 0.6)
+    ]
+    base = DecodeOptions(max_new_tokens=8, stop_strings=stops)
+    ref = generate_variants(model, tok, prompt, policies, base)
+    new = generate_variants(
+        model, tok, prompt, policies, DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=3)
+    )
+    carried = 0
+    for a, b in zip(ref, new):
+        assert (a.tokens, a.n_answer) == (b.tokens, b.n_answer)
+        for name in a.stats:
+            if name != "trace_c2":
+                assert np.array_equal(a.stats[name], b.stats[name], equal_nan=True), name
+        if a.policy.design != "randomized":
+            continue
+        var, tc_ref, tc_new = a.stats["variance"], a.stats["trace_c2"], b.stats["trace_c2"]
+        for step in range(len(var)):
+            if step % 3 == 0:
+                assert np.array_equal(tc_ref[step], tc_new[step], equal_nan=True)
+                psi = tc_ref[step] / var[step] ** 2
+            else:
+                ok = var[step] > 0
+                assert np.allclose(tc_new[step][ok] / var[step][ok] ** 2, psi[ok], rtol=1e-4)
+                carried += int(ok.sum())
+    assert carried > 0
+    with pytest.raises(ValueError, match="tight_radius_every"):
+        DecodeOptions(tight_radius_every=0)

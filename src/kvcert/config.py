@@ -15,7 +15,7 @@ from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
 SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished")}  # change speed, not records: left out of folder hashes
 # hashed only when not the default, so folders of earlier configs keep their names
-DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True}}
+DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True, "tight_radius_every": 1}}
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
 
@@ -73,6 +73,7 @@ class DecodeConfig:
     oracle: bool = True
     certificate: bool = True
     tight_radius: bool = True  # tr(C^2) per cell for radius95_tight (off: NaN, a cheaper certificate)
+    tight_radius_every: int = 1  # tr(C^2) every k-th step; between, tr(C^2) / V_hat^2 is carried (cheaper)
     context_window: int = 32
     pool_kernel: int = 5
     one_batch: bool = True  # speed only (not hashed): both compression times decode as one batch
@@ -145,6 +146,10 @@ def validate(cfg: DictConfig) -> None:
     _one_of("device", cfg.device.split(":")[0], {"cpu", "cuda"})
     if cfg.decode.max_new_tokens < 1:
         raise ConfigError(f"decode.max_new_tokens={cfg.decode.max_new_tokens} must be >= 1")
+    if cfg.decode.tight_radius_every < 1:
+        raise ConfigError(
+            f"decode.tight_radius_every={cfg.decode.tight_radius_every} must be >= 1 (1 = tr(C^2) at every step)"
+        )
 
 
 def policies(cfg: DictConfig) -> list[Policy]:

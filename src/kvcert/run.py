@@ -151,6 +151,7 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
         oracle=d.oracle,
         certificate=d.certificate,
         tight_radius=d.tight_radius,
+        tight_radius_every=d.tight_radius_every,
         context_window=d.context_window,
         pool_kernel=d.pool_kernel,
         one_batch=d.one_batch,

@@ -84,6 +84,11 @@ def run_bench(
     res["certificate_overhead"] = median(
         [c / p for c, p in zip(d["certificate"]["samples_s"], d["plain"]["samples_s"])]
     )
+    for key, config in (
+        ("certificate_overhead_no_tight", "certificate, no tight radius"),
+        ("certificate_overhead_tight_every8", "certificate, tight radius every 8"),
+    ):
+        res[key] = median([c / p for c, p in zip(d[config]["samples_s"], d["plain"]["samples_s"])])
     res["oracle_overhead"] = median(
         [c / p for c, p in zip(d["certificate+oracle"]["samples_s"], d["certificate"]["samples_s"])]
     )

@@ -23,6 +23,9 @@ DECODE_CONFIGS = {
     "plain": dict(certificate=False, oracle=False),
     "certificate": dict(certificate=True, oracle=False),
     "certificate+oracle": dict(certificate=True, oracle=True),
+    # the certificate's parts: V_hat + diagnostics without tr(C^2); tr(C^2) refreshed every 8th step
+    "certificate, no tight radius": dict(certificate=True, oracle=False, tight_radius=False),
+    "certificate, tight radius every 8": dict(certificate=True, oracle=False, tight_radius_every=8),
 }
 
 

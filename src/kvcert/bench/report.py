@@ -177,6 +177,10 @@ def write_markdown(res: dict, path: Path) -> None:
         f"| shared prefill speedup ({res['headline']['variants']} variants, {res['headline']['tokens']} tokens) | "
         f"{res['shared_prefill_speedup']:.2f}x | >= 5x |",
         f"| certificate overhead per decode step (oracle off) | {res['certificate_overhead']:.3f}x | <= 1.15x |",
+        f"| ... V_hat + diagnostics, no tight radius | {_fmt(res.get('certificate_overhead_no_tight'), '.3f', 'x')} "
+        "| - |",
+        f"| ... tight radius refreshed every 8th step (`decode.tight_radius_every=8`) | "
+        f"{_fmt(res.get('certificate_overhead_tight_every8'), '.3f', 'x')} | <= 1.15x |",
         f"| certificate overhead, attention kernel alone | {res['attention_only']['ratio']:.3f}x | - |",
         f"| oracle cost (certificate + oracle vs certificate) | {res['oracle_overhead']:.3f}x | - |",
         f"| roofline multiple: decode step / machine limit ({rl.get('variants', '-')} variants, "

@@ -214,6 +214,9 @@ class Bucket:
         self._features = [
             tail_features(b.values[:, :, : b.tail_slots], self._sketch) if self.certified else None for b in layers
         ]
+        # tr(C^2) / V_hat^2 per (row, kv head, query) at the last step that computed tr(C^2): carried between
+        # refreshes when DecodeOptions.tight_radius_every > 1 (None until a refresh stores it)
+        self._psi: list[torch.Tensor | None] = [None] * len(layers)
 
     @property
     def batch_size(self) -> int:
@@ -226,6 +229,8 @@ class Bucket:
             self._tail[layer] = self._tail[layer].index_select(0, rows)
             if self._features[layer] is not None:
                 self._features[layer] = self._features[layer].index_select(0, rows)
+            if self._psi[layer] is not None:
+                self._psi[layer] = self._psi[layer].index_select(0, rows)
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
         self.certified = bool(self.certificate_rows.any())
 
@@ -241,8 +246,12 @@ class Bucket:
         stats: bool,
         certificate: bool,
         trace_c2: bool = True,
+        trace_c2_refresh: bool | None = None,
     ) -> tuple[torch.Tensor, dict | None]:
-        """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step)."""
+        """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step).
+
+        trace_c2_refresh: None computes tr(C^2) at this step (the default: every step); True computes it and keeps
+        its ratio to V_hat^2 for later steps; False carries that ratio (tr(C^2) = ratio * V_hat^2 of this step)."""
         buf = self.layers[layer]
         if window != buf.window:
             raise RuntimeError(
@@ -289,10 +298,16 @@ class Bucket:
             variance_slots=buf.tail_slots,
             value_sq_norms=buf.value_sq_norms,
         )
-        step = self._step_stats(layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2) if certify else None
+        step = (
+            self._step_stats(layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2, trace_c2_refresh)
+            if certify
+            else None
+        )
         return res.output.reshape(bsz, n_q, t, d).to(query.dtype), step
 
-    def _step_stats(self, layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2) -> dict[str, torch.Tensor]:
+    def _step_stats(
+        self, layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2, refresh=None
+    ) -> dict[str, torch.Tensor]:
         p = res.weights  # (B, Hkv, group, L)
         out = res.output
         step = {"out_norm": out.norm(dim=-1).reshape(bsz, n_q), "p_max": p.amax(-1).reshape(bsz, n_q)}
@@ -306,9 +321,7 @@ class Bucket:
             diag = tail_diagnostics(p, buf.one_minus_pi, tail_slots=s, prefix=buf.prefix)
             diag["trace_c2"] = torch.zeros_like(res.variance) if trace_c2 else torch.full_like(res.variance, torch.nan)
             if s and trace_c2:
-                diag["trace_c2"] = trace_c2_from_features(
-                    p, buf.one_minus_pi, self._features[layer], out, self._sketch, res.variance
-                )
+                diag["trace_c2"] = self._trace_c2(layer, p, buf, out, res.variance, refresh)
             for name in CERTIFICATE_STATS:
                 step[name] = diag[name].reshape(bsz, n_q).masked_fill(undefined, float("nan"))
         elif certificate:  # a bucket without certificate rows: undefined, never zero
@@ -318,6 +331,17 @@ class Bucket:
             exact = self._oracle(layer, q, buf, scale)
             step["error"] = (out - exact).norm(dim=-1).reshape(bsz, n_q)
         return step
+
+    def _trace_c2(self, layer, p, buf, out, variance, refresh) -> torch.Tensor:
+        """The sketched tr(C^2) of this step, or (refresh False, after a refresh) the last refresh's tr(C^2) / V_hat^2
+        times this step's V_hat^2: the effective dimension h = V_hat^2 / tr(C^2) is carried, V_hat is not."""
+        if refresh is False and self._psi[layer] is not None:
+            return self._psi[layer] * variance.square()
+        tc2 = trace_c2_from_features(p, buf.one_minus_pi, self._features[layer], out, self._sketch, variance)
+        if refresh:  # V_hat = 0 carries h = 1 (psi = 1): the radius is 0 until V_hat grows, then Gaussian-like
+            v2 = variance.square()
+            self._psi[layer] = torch.where(v2 > 0, tc2 / v2.clamp_min(torch.finfo(v2.dtype).tiny), torch.ones_like(v2))
+        return tc2
 
     def _oracle(self, layer, q, buf, scale) -> torch.Tensor:
         """Exact attention of the query over [shared prefix, own part]: one (Hkv, B*group, d) @ (Hkv, d, n) matmul
@@ -351,6 +375,7 @@ class CompressedState:
         self.buckets = buckets
         self.compute_certificate = True
         self.compute_trace_c2 = True  # the tight radius' tr(C^2) (DecodeOptions.tight_radius)
+        self.trace_c2_refresh: bool | None = None  # None: tr(C^2) every step; True / False: refresh / carry
         self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
         self.position = 0  # absolute position of the next token (set by forward_with_state)
 
@@ -402,6 +427,7 @@ class CompressedState:
                 stats=want,
                 certificate=self.compute_certificate,
                 trace_c2=self.compute_trace_c2,
+                trace_c2_refresh=self.trace_c2_refresh,
             )
             outs.append(out)
             steps.append(step)

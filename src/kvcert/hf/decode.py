@@ -42,8 +42,13 @@ class DecodeOptions:
     context_window: int = 32  # window of the question-agnostic scorer (last context tokens)
     pool_kernel: int = 5
     tight_radius: bool = True  # tr(C^2) for the tight radius (the costliest certificate statistic; README)
+    tight_radius_every: int = 1  # tr(C^2) at every k-th decode step; between, its ratio to V_hat^2 is carried
     one_batch: bool = True
     drop_finished: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tight_radius_every, int) or self.tight_radius_every < 1:
+            raise ValueError(f"tight_radius_every={self.tight_radius_every!r} must be an integer >= 1")
 
 
 @dataclass(kw_only=True)
@@ -136,6 +141,8 @@ def decode_batch(
             tok = tok[keep]
             active = [active[i] for i in keep]
         state.stats = StepStats()
+        every = options.tight_radius_every
+        state.trace_c2_refresh = None if every == 1 else step % every == 0
         pos = torch.full((len(active), 1), start_pos + step, device=dev, dtype=torch.long)
         logits = forward_with_state(model, tok[:, None], pos, state)
         if on_step is not None:
