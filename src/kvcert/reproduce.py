@@ -75,7 +75,7 @@ STUDIES: dict[str, dict] = {
         "prefix": "",  # the claim group option is <prefix><file stem>
         "out": ROOT / "results",
         "overrides": PROFILES["confirmatory"]["overrides"],
-        "threads": 2,  # conf/config.yaml's default, which produced the locked records
+        "threads": 1,  # its published records are the 1-thread regeneration (DEVIATIONS.md, 2026-12-03)
         "lock": "study1",  # kvcert.prereg.STUDIES
         "scorecard": ROOT / "results" / "study1",  # its own scorecard; results/scorecard.* shows both studies
         "published": ROOT / "results" / "study1" / "published",
