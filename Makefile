@@ -42,8 +42,8 @@ lint: $(STAMP) ## ruff check + ruff format --check
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
 
-smoke: $(STAMP) ## under 3 minutes: the claim pipeline on a tiny profile (-> results/smoke/) + a cell with every scorer
-	$(PY) -m kvcert.reproduce smoke
+smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, two-study scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
+	$(PY) -m kvcert.reproduce smoke --study all
 	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 
 run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." for overrides

@@ -112,3 +112,21 @@ def test_a_folder_with_another_config_is_refused(tmp_path, tiny_smol):
     with pytest.raises(ConfigError, match="different config"):
         _cell(tmp_path, tiny_smol)
     assert (run_dir / "examples.parquet").read_bytes() == before
+
+
+def test_a_folder_saved_before_a_default_only_key_existed_is_the_same_config(tmp_path, tiny_smol, capsys):
+    """A key added to the schema later (at its default) neither renames nor orphans a folder: its saved config lacks
+    the key and still matches; a saved config that states another value of a hashed key is refused."""
+    import yaml
+
+    run_dir = _cell(tmp_path, tiny_smol)
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    del saved["decode"]["tight_radius_every"]  # as written before the key existed
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    capsys.readouterr()
+    assert _cell(tmp_path, tiny_smol) == run_dir
+    assert "complete, skipped" in capsys.readouterr().out
+    saved["decode"]["oracle"] = not saved["decode"]["oracle"]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
+    with pytest.raises(ConfigError, match="different config"):
+        _cell(tmp_path, tiny_smol)

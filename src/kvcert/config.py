@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -183,24 +184,36 @@ def budget_list(cfg: DictConfig) -> list[float]:
 RESULT_KEYS = ("model", "task", "policy", "budgets", "budget", "decode", "records", "seed")
 
 
+def record_content(content: dict) -> dict:
+    """What of a config (RESULT_KEYS as plain containers) determines the records: speed-only keys dropped, keys
+    hashed only when set dropped at their defaults, unset optional grid-entry keys dropped. Folder names hash it, and
+    a folder's saved config matches a new one when their record contents are equal (so a key added to the schema
+    later, at its default, neither renames nor orphans earlier folders)."""
+    content = copy.deepcopy(content)
+    for group, keys in SPEED_ONLY_KEYS.items():
+        for k in keys:
+            (content.get(group) or {}).pop(k, None)
+    for group, defaults in DEFAULT_ONLY_KEYS.items():
+        for k, default in defaults.items():
+            if (content.get(group) or {}).get(k, default) == default:
+                (content.get(group) or {}).pop(k, None)
+    for entry in (content.get("policy") or {}).get("grid") or []:
+        for k in OPTIONAL_ENTRY_KEYS:
+            if entry.get(k) is None:
+                entry.pop(k, None)
+    return content
+
+
 def result_name(cfg: DictConfig) -> str:
     """Folder name from the config: readable parts + a hash of everything that changes the records."""
     if cfg.name:
         return str(cfg.name)
-    content = {
-        k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k] for k in RESULT_KEYS
-    }
-    for group, keys in SPEED_ONLY_KEYS.items():
-        for k in keys:
-            content[group].pop(k, None)
-    for group, defaults in DEFAULT_ONLY_KEYS.items():
-        for k, default in defaults.items():
-            if content[group].get(k) == default:
-                content[group].pop(k, None)
-    for entry in content["policy"]["grid"]:
-        for k in OPTIONAL_ENTRY_KEYS:
-            if entry.get(k) is None:
-                entry.pop(k, None)
+    content = record_content(
+        {
+            k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+            for k in RESULT_KEYS
+        }
+    )
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     model = str(cfg.model.name).replace("/", "_")
     task = cfg.task.dataset.replace("/", "_") if cfg.task.dataset else "+".join(cfg.task.tasks)

@@ -288,6 +288,9 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
 
         document = yaml.safe_load(Path(st["predictions"]).read_text())
         secondary = evaluate_secondary(pub["examples"], pub["cells"], document)
+        for sid, result in secondary.items():  # the pre-registered wording beside each result
+            entry = (document.get("secondary") or {}).get(sid) or {}
+            result.setdefault("prediction", " ".join(str(entry.get(k, "")) for k in ("claim", "prediction")).strip())
         (out / "tables" / "secondary.json").write_text(json.dumps(jsonable(secondary), indent=2) + "\n")
         card["secondary"] = secondary
     card["n_examples"] = int(pub["examples"]["example_id"].nunique())

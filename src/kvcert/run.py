@@ -18,10 +18,19 @@ from pathlib import Path
 import hydra
 import pandas as pd
 import torch
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from kvcert.config import RESULT_KEYS, ConfigError, policies, register_configs, result_name, validate
+from kvcert.config import (
+    RESULT_KEYS,
+    ConfigError,
+    policies,
+    record_content,
+    register_configs,
+    result_name,
+    validate,
+)
 from kvcert.hf import DecodeOptions, generate_variants, load_model
 from kvcert.records import ShardStore, atomic_text, example_frame, provenance, step_frame
 from kvcert.tasks import render
@@ -76,6 +85,15 @@ def _duration(seconds: float) -> str:
     return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
 
 
+def same_records_config(saved: str, current: str) -> bool:
+    """Whether a folder's saved config.yaml and the current one state the same records (config.record_content)."""
+    try:
+        old, new = yaml.safe_load(saved), yaml.safe_load(current)
+    except yaml.YAMLError:
+        return False
+    return isinstance(old, dict) and isinstance(new, dict) and record_content(old) == record_content(new)
+
+
 def run_cell(
     cfg: DictConfig,
     *,
@@ -92,7 +110,7 @@ def run_cell(
     run_dir = Path(cfg.results_dir) / result_name(cfg)
     config_text = _record_config(cfg)
     saved = run_dir / "config.yaml"
-    if saved.exists() and saved.read_text() != config_text:
+    if saved.exists() and not same_records_config(saved.read_text(), config_text):
         raise ConfigError(f"{run_dir} holds records of a different config; set name=<new folder> or remove it")
     store = ShardStore(run_dir)
     if store.complete:
