@@ -1,5 +1,5 @@
-"""The study-2 DRAFT pre-registration (preregistration/study2/): schema-compatible with study 1, seeds disjoint,
-readable by the locked analysis, and clearly marked as not locked."""
+"""Study 2's pre-registration (preregistration/study2/): locked, schema-compatible with study 1, seeds disjoint,
+readable by the locked analysis."""
 
 from __future__ import annotations
 
@@ -17,10 +17,23 @@ STUDY2 = ROOT / "preregistration" / "study2" / "predictions.yaml"
 PLAN = ROOT / "preregistration" / "study2" / "PLAN.md"
 
 
-def test_plan_is_marked_draft_at_the_top():
+def test_plan_predictions_and_multipliers_are_locked_and_unchanged():
+    import json
+
+    from kvcert.prereg import verify
+
     head = PLAN.read_text().splitlines()[:5]
-    assert any("DRAFT" in line and "not locked" in line for line in head)
-    assert yaml.safe_load(STUDY2.read_text())["status"] == "draft"
+    assert any("**Locked**" in line for line in head) and not any("DRAFT" in line for line in head)
+    assert yaml.safe_load(STUDY2.read_text())["status"] == "locked"
+    lock = json.loads((ROOT / "preregistration" / "study2" / "LOCK.json").read_text())
+    plan_files = {
+        "preregistration/study2/PLAN.md",
+        "preregistration/study2/predictions.yaml",
+        "preregistration/study2/conformal_by_layer.csv",
+    }
+    assert plan_files <= set(lock["files"])
+    res = verify(ROOT, study="study2")
+    assert not plan_files & {*res.get("changed", []), *res.get("missing", [])}
 
 
 def test_same_claims_and_schema_as_study1():
