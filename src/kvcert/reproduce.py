@@ -291,6 +291,8 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
         for sid, result in secondary.items():  # the pre-registered wording beside each result
             entry = (document.get("secondary") or {}).get(sid) or {}
             result.setdefault("prediction", " ".join(str(entry.get(k, "")) for k in ("claim", "prediction")).strip())
+            if result.get("status") is None:  # S3's pre-declared check; S5 is descriptive
+                result["status"] = f"check: {result['check']}" if result.get("check") else "descriptive"
         (out / "tables" / "secondary.json").write_text(json.dumps(jsonable(secondary), indent=2) + "\n")
         card["secondary"] = secondary
     card["n_examples"] = int(pub["examples"]["example_id"].nunique())
