@@ -279,3 +279,6 @@ def test_hot_path_sketch_estimate_equals_the_reference_form():
     ref = sketched_trace_c2(p, omp, sketch_tail(v, r), o, r, vhat)
     fast = trace_c2_from_features(p, omp, tail_features(v, r), o, r, vhat)
     assert torch.allclose(ref, fast, rtol=1e-9, atol=1e-12)
+    packed = tail_features(v, r, packed=True)
+    assert packed.shape[-1] == 8 * 9 // 2 + 2 * 8 + 3 == 55  # the symmetric block stored once
+    assert torch.allclose(ref, trace_c2_from_features(p, omp, packed, o, r, vhat), rtol=1e-9, atol=1e-12)

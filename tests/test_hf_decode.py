@@ -1,5 +1,7 @@
 """The decoder: the speed switches (one batch, finished rows leave) change nothing but speed; stop strings."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -140,3 +142,48 @@ def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_s
     assert carried > 0
     with pytest.raises(ValueError, match="tight_radius_every"):
         DecodeOptions(tight_radius_every=0)
+
+
+@pytest.mark.parametrize(
+    "every, after_forward, transposed", [(1, True, False), (3, True, False), (1, False, True), (3, True, True)]
+)
+def test_fast_switches_change_nothing_but_float_rounding(tiny_smol, monkeypatch, every, after_forward, transposed):
+    """decode.stats_after_forward / decode.keys_transposed: every statistic of every step (certificate, diagnostics,
+    tr(C^2) refreshed or carried, oracle error) equals the default path to float rounding, tokens and answers
+    exactly, with rows leaving the batch between steps; and the deferred path really ran when asked for."""
+    from kvcert.hf.attention import Bucket
+
+    model, tok = tiny_smol
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    stops = (tok.decode([ids[7]]),)
+    policies = [FULL] + [
+        Policy(scorer=s, design=d, budget=b, seed=1)
+        for s in ("window_question", "streaming")
+        for d in ("topk", "randomized")
+        for b in (0.3, 0.6)
+    ]
+    base = DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=every)
+    ref = generate_variants(model, tok, prompt, policies, base)
+    flushes = []
+    flush = Bucket.flush_stats
+
+    def spy(self, *args):
+        flushes.append(self.batch_size)
+        return flush(self, *args)
+
+    monkeypatch.setattr(Bucket, "flush_stats", spy)
+    fast = replace(base, stats_after_forward=after_forward, keys_transposed=transposed)
+    new = generate_variants(model, tok, prompt, policies, fast)
+    assert bool(flushes) == after_forward, "the deferred path ran iff asked for"
+    assert any(r.n_answer < 8 for r in ref), "pick another stop string: some row must leave the batch"
+    for a, b in zip(ref, new):
+        assert (a.tokens[: a.n_answer + 1], a.n_answer, a.answer) == (b.tokens[: b.n_answer + 1], b.n_answer, b.answer)
+        assert a.stats.keys() == b.stats.keys() and "trace_c2" in a.stats and "error" in a.stats
+        for name in a.stats:
+            assert a.stats[name].shape == b.stats[name].shape, (a.policy.label, name)
+            assert np.array_equal(np.isnan(a.stats[name]), np.isnan(b.stats[name])), (a.policy.label, name)
+            assert np.allclose(a.stats[name], b.stats[name], rtol=1e-5, atol=1e-7, equal_nan=True), (
+                a.policy.label,
+                name,
+            )

@@ -14,7 +14,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
-SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished")}  # change speed, not records: left out of folder hashes
+# change speed, not records: left out of folder hashes
+SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed")}
 # hashed only when not the default, so folders of earlier configs keep their names
 DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True, "tight_radius_every": 1}}
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
@@ -79,6 +80,8 @@ class DecodeConfig:
     pool_kernel: int = 5
     one_batch: bool = True  # speed only (not hashed): both compression times decode as one batch
     drop_finished: bool = True  # speed only (not hashed): finished variants leave the batch
+    stats_after_forward: bool = False  # speed only (not hashed): statistics of all layers at once after the forward
+    keys_transposed: bool = False  # speed only (not hashed): keys stored (d, slots), q K^T a plain GEMM
 
 
 @dataclass

@@ -174,6 +174,8 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
         pool_kernel=d.pool_kernel,
         one_batch=d.one_batch,
         drop_finished=d.drop_finished,
+        stats_after_forward=d.stats_after_forward,
+        keys_transposed=d.keys_transposed,
     )
 
 

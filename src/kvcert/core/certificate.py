@@ -374,13 +374,34 @@ def certificate_trusted(ess_tail, tail_mass, n_tail):
 
 
 # ------------------------------------------------------------------------------------------------ the hot path
-def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
     """(a) once per compression, for `trace_c2_from_features`: per tail token [VR_i VR_i^T (k^2) | VR_i | q_i VR_i |
-    q_i | q_i^2 | 1], q_i = ||VR_i||^2, VR = V_tail R: (..., s, k^2 + 2k + 3) floats (83 at k = 8)."""
+    q_i | q_i^2 | 1], q_i = ||VR_i||^2, VR = V_tail R: (..., s, k^2 + 2k + 3) floats (83 at k = 8).
+
+    packed: VR_i VR_i^T as its upper triangle only (k (k + 1) / 2 entries, row-major): 55 floats at k = 8, a third
+    less to store and to read at every step; `trace_c2_from_features` recognises the layout by its width."""
     vr = values_tail @ sketch.to(values_tail.dtype)
     q = vr.square().sum(-1, keepdim=True)
     outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)
+    if packed:
+        k = vr.shape[-1]
+        outer = outer[..., _upper_triangle(k, vr.device)]
     return torch.cat([outer, vr, q * vr, q, q.square(), torch.ones_like(q)], -1)
+
+
+def _upper_triangle(k: int, device) -> torch.Tensor:
+    """Flat indices (into a row-major k x k) of the upper triangle, row-major: the packed layout's order."""
+    rows, cols = torch.triu_indices(k, k, device=device)
+    return rows * k + cols
+
+
+def _unpack_index(k: int, device) -> torch.Tensor:
+    """(k, k) positions in the packed upper triangle of each entry of the symmetric matrix."""
+    rows, cols = torch.triu_indices(k, k, device=device)
+    index = torch.empty(k, k, dtype=torch.long, device=device)
+    index[rows, cols] = torch.arange(len(rows), device=device)
+    index[cols, rows] = index[rows, cols]
+    return index
 
 
 def trace_c2_from_features(
@@ -390,21 +411,31 @@ def trace_c2_from_features(
     output: torch.Tensor,
     sketch: torch.Tensor,
     trace_c: torch.Tensor,
+    *,
+    tail_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """(b) per step: `sketched_trace_c2(method="ratio", debias="sketch")` with few kernel launches (the decode loop
     calls it for every layer and bucket): every tail sum from one GEMM [a; (1 - pi) a^2] @ features, then k x k
     algebra. C_S = P - u y^T - y u^T + A y y^T (P = sum a VR VR^T, u = sum a VR, A = sum a, y = o_hat R), and
-    sum b ||S_i||^4 expanded with ||S_i||^2 = q_i - 2 VR_i.y + ||y||^2."""
+    sum b ||S_i||^4 expanded with ||S_i||^2 = q_i - 2 VR_i.y + ||y||^2. Features full or packed (`tail_features`).
+    tail_rows: [a; (1 - pi) a^2] (..., 2T, s) with a = (1 - pi) p^2, when the caller has them already."""
     d, k = sketch.shape
     s = features.shape[-2]
-    kk = k * k
-    omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)
-    a = omp * weights[..., :s].square()  # (..., T, s)
-    n_q = a.shape[-2]
-    sums = torch.cat([a, omp * a.square()], -2) @ features  # (..., 2T, F)
+    packed = features.shape[-1] == k * (k + 1) // 2 + 2 * k + 3
+    kk = k * (k + 1) // 2 if packed else k * k  # where the k x k block of the features ends
+    if tail_rows is None:
+        omp = one_minus_pi[..., :s].unsqueeze(-2).to(weights.dtype)
+        a = omp * weights[..., :s].square()  # (..., T, s)
+        tail_rows = torch.cat([a, omp * a.square()], -2)
+    n_q = tail_rows.shape[-2] // 2
+    sums = tail_rows @ features  # (..., 2T, F)
     sa, sb = sums[..., :n_q, :], sums[..., n_q:, :]
+    if packed:
+        index = _unpack_index(k, sums.device)
+        p_mat, b_mat = sa[..., index], sb[..., index]
+    else:
+        p_mat, b_mat = sa[..., :kk].unflatten(-1, (k, k)), sb[..., :kk].unflatten(-1, (k, k))
     y = output @ sketch.to(output.dtype)  # (..., T, k)
-    p_mat = sa[..., :kk].unflatten(-1, (k, k))
     u = sa[..., kk : kk + k]
     uy = u.unsqueeze(-1) * y.unsqueeze(-2)
     c_s = p_mat - uy - uy.transpose(-1, -2) + sa[..., -1:, None] * (y.unsqueeze(-1) * y.unsqueeze(-2))
@@ -413,7 +444,7 @@ def trace_c2_from_features(
     psi = t2 / t1.square().clamp_min(torch.finfo(t1.dtype).tiny)
     x = (k * psi - 1) / (k + 1 - 2 * psi).clamp_min(1e-12)
     y2 = y.square().sum(-1)
-    quad = (sb[..., :kk].unflatten(-1, (k, k)) @ y.unsqueeze(-1)).squeeze(-1)  # (sum b VR VR^T) y
+    quad = (b_mat @ y.unsqueeze(-1)).squeeze(-1)  # (sum b VR VR^T) y
     d4 = (
         sb[..., -2]
         - 4 * (sb[..., kk + k : kk + 2 * k] * y).sum(-1)

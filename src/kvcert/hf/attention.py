@@ -89,6 +89,9 @@ def forward_with_state(model: PreTrainedModel, input_ids: torch.Tensor, position
     Every sequence of the batch is at the same positions (the uncompressed ones)."""
     state.position = int(positions[0, 0])
     out = model(input_ids=input_ids, position_ids=positions, use_cache=False, kvcert_state=state, logits_to_keep=1)
+    finish = getattr(state, "finish_step", None)  # statistics deferred to after the forward (stats_after_forward)
+    if finish is not None:
+        finish()
     return out.logits[:, -1, :]
 
 
@@ -133,7 +136,7 @@ class RecordState:
 class LayerBuffers:
     """One layer's compressed cache for a batch of variants (float32 from construction on)."""
 
-    keys: torch.Tensor  # (B, Hkv, capacity, d)
+    keys: torch.Tensor  # (B, Hkv, capacity, d), or (B, Hkv, d, capacity) when keys_transposed
     values: torch.Tensor  # (B, Hkv, capacity, d)
     offset: torch.Tensor  # (B, Hkv, capacity): -log pi on kept tokens, 0 after compression, -inf on padding
     one_minus_pi: torch.Tensor  # (B, Hkv, tail_slots)
@@ -147,6 +150,15 @@ class LayerBuffers:
     prefix: int = 0  # entries [0, prefix) are the compressed prompt (tail, head, padding); later ones were appended
     window: int | None = None  # sliding window (tokens, the query included); None = full attention
     positions: torch.Tensor | None = None  # (B, capacity) absolute positions of the slots (window layers only)
+    keys_transposed: bool = False  # DecodeOptions.keys_transposed: q K^T is then a plain GEMM (faster on CPU)
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-1] if self.keys_transposed else self.keys.shape[-2]
+
+    def key_slots(self, hi: int) -> torch.Tensor:
+        """The first `hi` keys as (B, Hkv, hi, d), a view whatever the storage layout."""
+        return self.keys[..., :hi].transpose(-1, -2) if self.keys_transposed else self.keys[:, :, :hi]
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         for name in (
@@ -196,9 +208,12 @@ class Bucket:
         *,
         certificate_rows: torch.Tensor,
         oracle_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+        stats_after_forward: bool = False,
     ):
         """oracle_prefix: per layer (K^T (Hkv, d, n), V (Hkv, n, d)) of the first n prefill tokens, fp32: the shared
-        prefix in a matmul layout (a broadcast matmul would copy it once per variant); None = no oracle."""
+        prefix in a matmul layout (a broadcast matmul would copy it once per variant); None = no oracle.
+        stats_after_forward: the bucket will decode with DecodeOptions.stats_after_forward, so its tr(C^2) features
+        are built stacked and packed (`_stacked_buffers`), not per layer (either is built on demand if needed)."""
         self.layers = layers
         self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
         self.position = 0  # absolute position of the next token (set by the state)
@@ -210,13 +225,32 @@ class Bucket:
         self.certified = bool(certificate_rows.any())
         # V_tail R and its per-token features once per compression (values are fixed then): the per-step tr(C^2)
         # estimate is then one GEMM over the tail (kvcert.core.certificate.trace_c2_from_features)
-        self._sketch = value_sketch(layers[0].keys.shape[-1], layers[0].keys.device)
+        self._sketch = value_sketch(layers[0].values.shape[-1], layers[0].values.device)
         self._features = [
-            tail_features(b.values[:, :, : b.tail_slots], self._sketch) if self.certified else None for b in layers
+            tail_features(b.values[:, :, : b.tail_slots], self._sketch)
+            if self.certified and not stats_after_forward
+            else None
+            for b in layers
         ]
         # tr(C^2) / V_hat^2 per (row, kv head, query) at the last step that computed tr(C^2): carried between
         # refreshes when DecodeOptions.tight_radius_every > 1 (None until a refresh stores it)
         self._psi: list[torch.Tensor | None] = [None] * len(layers)
+        # DecodeOptions.stats_after_forward: each layer leaves (weights, output, V_hat) here during the forward and
+        # `flush_stats` reduces them for all layers at once; it needs every layer to share one slot layout
+        self.uniform_layers = all(b.window is None and b.compressed for b in layers) and (
+            len({(b.tail_slots, b.prefix) for b in layers}) == 1
+        )
+        # the deferred path's work buffers, written in place by every layer and read once by `flush_stats`:
+        # rows (layers, B, Hkv, 3 group, slots) = [p; a; (1 - pi) a^2] with a = (1 - pi) p^2 on the tail slots
+        # (zero beyond them) and out (layers, B, Hkv, 2 group, d) = [o_hat; sum a v]: [p; a] @ V is one matmul
+        self._rows: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._pending: list[int] = []  # layers written since the last flush
+        self._pending_variance = False
+        self._stacked: dict[str, torch.Tensor] | None = None  # per-layer tensors stacked on dim 0 (lazily)
+        self._psi_all: torch.Tensor | None = None  # _psi of the stacked path: (layers, B, Hkv, group)
+        if stats_after_forward and self.uniform_layers:
+            self._stacked_buffers()  # at compression time, not in the first decode step
 
     @property
     def batch_size(self) -> int:
@@ -231,6 +265,12 @@ class Bucket:
                 self._features[layer] = self._features[layer].index_select(0, rows)
             if self._psi[layer] is not None:
                 self._psi[layer] = self._psi[layer].index_select(0, rows)
+        if self._stacked is not None:
+            self._stacked = {k: v.index_select(1, rows) for k, v in self._stacked.items()}
+        if self._psi_all is not None:
+            self._psi_all = self._psi_all.index_select(1, rows)
+        if self._rows is not None:
+            self._rows, self._out = self._rows.index_select(1, rows), self._out.index_select(1, rows)
         self.certificate_rows = self.certificate_rows.index_select(0, rows)
         self.certified = bool(self.certificate_rows.any())
 
@@ -247,11 +287,14 @@ class Bucket:
         certificate: bool,
         trace_c2: bool = True,
         trace_c2_refresh: bool | None = None,
+        defer: bool = False,
     ) -> tuple[torch.Tensor, dict | None]:
         """(output (B, Hq, t, d), this step's statistics per name (B, Hq) when asked for at a single-token step).
 
         trace_c2_refresh: None computes tr(C^2) at this step (the default: every step); True computes it and keeps
-        its ratio to V_hat^2 for later steps; False carries that ratio (tr(C^2) = ratio * V_hat^2 of this step)."""
+        its ratio to V_hat^2 for later steps; False carries that ratio (tr(C^2) = ratio * V_hat^2 of this step).
+        defer: keep what the statistics need and return only the oracle's error; `flush_stats` computes the rest
+        for every layer after the forward (uniform layers only)."""
         buf = self.layers[layer]
         if window != buf.window:
             raise RuntimeError(
@@ -261,9 +304,12 @@ class Bucket:
         n_kv = key.shape[1]
         group = n_q // n_kv
         lo, hi = buf.length, buf.length + t
-        if hi > buf.keys.shape[-2]:
-            raise RuntimeError(f"KV buffer of layer {layer} is full ({buf.keys.shape[-2]} slots)")
-        buf.keys[:, :, lo:hi] = key
+        if hi > buf.capacity:
+            raise RuntimeError(f"KV buffer of layer {layer} is full ({buf.capacity} slots)")
+        if buf.keys_transposed:
+            buf.keys[..., lo:hi] = key.transpose(-1, -2)
+        else:
+            buf.keys[:, :, lo:hi] = key
         buf.values[:, :, lo:hi] = value
         buf.offset[:, :, lo:hi] = 0.0
         buf.length = hi
@@ -272,7 +318,7 @@ class Bucket:
             buf.oracle_keys[:, :, o_lo:o_hi] = key
             buf.oracle_values[:, :, o_lo:o_hi] = value
             buf.oracle_length = o_hi
-        keys, values, offset = buf.keys[:, :, :hi], buf.values[:, :, :hi], buf.offset[:, :, :hi]
+        keys, values, offset = buf.key_slots(hi), buf.values[:, :, :hi], buf.offset[:, :, :hi]
         q = query.reshape(bsz, n_kv, group * t, d).to(keys.dtype)
         mask = None
         if t > 1:  # new tokens see the cache and each other causally; rows are (group, t) flattened
@@ -287,6 +333,11 @@ class Bucket:
             window_mask = torch.zeros(stale.shape, device=q.device, dtype=q.dtype).masked_fill_(stale, float("-inf"))
             mask = window_mask if mask is None else mask + window_mask
         certify = stats and t == 1
+        if certify and defer:
+            variance = certificate and self.certified
+            out = self._attend_deferred(layer, q, keys, values, offset, scale, mask, variance, buf)
+            step = {"error": self._error(layer, q, out, buf, scale)} if self.has_oracle else {}
+            return out.reshape(bsz, n_q, t, d).to(query.dtype), step
         res = hajek_attention(
             q,
             keys,
@@ -304,6 +355,100 @@ class Bucket:
             else None
         )
         return res.output.reshape(bsz, n_q, t, d).to(query.dtype), step
+
+    def _attend_deferred(self, layer, q, keys, values, offset, scale, mask, variance: bool, buf) -> torch.Tensor:
+        """`hajek_attention` for `attend(defer=True)`: the same output, written into the work buffers; the
+        certificate's one pass over the values, sum_tail a v with a = (1 - pi) p^2, rides in the output's matmul as
+        extra rows (the values are read once), and everything else is left to `flush_stats`."""
+        bsz, n_kv, g, d = q.shape
+        length, s = keys.shape[-2], buf.tail_slots
+        if self._rows is None:  # zeros: a stays 0 beyond the tail slots, which are never written
+            self._rows = q.new_zeros(len(self.layers), bsz, n_kv, 3 * g, buf.capacity)
+            self._out = q.new_empty(len(self.layers), bsz, n_kv, 2 * g, values.shape[-1])
+        rows, out = self._rows[layer], self._out[layer]
+        logits = (q @ keys.transpose(-1, -2)) * scale + offset.unsqueeze(-2)
+        if mask is not None:
+            logits = logits + mask
+        p = rows[..., :g, :length]
+        torch.softmax(logits, -1, out=p)
+        if variance:
+            torch.mul(buf.one_minus_pi.unsqueeze(-2), p[..., :s].square(), out=rows[..., g : 2 * g, :s])
+            torch.matmul(rows[..., : 2 * g, :length], values, out=out)
+        else:
+            torch.matmul(p, values, out=out[..., :g, :])
+        self._pending.append(layer)
+        self._pending_variance = variance
+        return out[..., :g, :]
+
+    def _error(self, layer, q, out, buf, scale) -> torch.Tensor:
+        """||o_hat - o|| per (row, query head): the estimate against the oracle's exact attention."""
+        return (out - self._oracle(layer, q, buf, scale)).norm(dim=-1).reshape(out.shape[0], -1)
+
+    def _stacked_buffers(self) -> dict[str, torch.Tensor]:
+        """1 - pi, ||v||^2, the real-tail indicator and the packed tr(C^2) features of the tail slots of every layer,
+        stacked once per compression."""
+        if self._stacked is None:
+            omp = torch.stack([b.one_minus_pi for b in self.layers])  # (layers, B, Hkv, s)
+            value_sq_norms = torch.stack([b.value_sq_norms for b in self.layers])
+            self._stacked = {"omp": omp, "value_sq_norms": value_sq_norms, "tail": torch.stack(self._tail)}
+            if self.certified:  # packed (55 floats per tail token at k = 8, not 83): a third less to read per step
+                s = self.layers[0].tail_slots
+                self._stacked["features"] = torch.stack(
+                    [tail_features(b.values[:, :, :s], self._sketch, packed=True) for b in self.layers]
+                )
+        return self._stacked
+
+    def flush_stats(self, certificate: bool, trace_c2: bool, refresh: bool | None) -> dict[str, torch.Tensor]:
+        """The statistics `_step_stats` computes per layer, for all layers at once from what `attend(defer=True)`
+        kept: name -> (layers, B, Hq). Same formulas on stacked tensors, so equal to float rounding."""
+        if self._pending != list(range(len(self.layers))):
+            raise RuntimeError(f"deferred statistics of layers {self._pending}, expected every layer once")
+        buf = self.layers[0]
+        s, length = buf.tail_slots, buf.length
+        g = self._out.shape[-2] // 2
+        p = self._rows[..., :g, :length]  # (layers, B, Hkv, group, L)
+        out = self._out[..., :g, :]  # (layers, B, Hkv, group, d)
+        self._pending = []
+        shape = (p.shape[0], p.shape[1], p.shape[2] * p.shape[3])  # (layers, B, Hq)
+        stk = self._stacked_buffers()
+        variance = None
+        if self._pending_variance:  # V_hat = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a, as in hajek_attention
+            a, a_v = self._rows[..., g : 2 * g, :s], self._out[..., g:, :]
+            variance = (
+                (a * stk["value_sq_norms"].unsqueeze(-2)).sum(-1)
+                - 2 * (out * a_v).sum(-1)
+                + out.square().sum(-1) * a.sum(-1)
+            ).clamp_min(0)
+        step = {"out_norm": out.norm(dim=-1).reshape(shape), "p_max": p.amax(-1).reshape(shape)}
+        step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
+        if variance is not None:
+            undefined = ~self.certificate_rows[None, :, None]
+            step["variance"] = variance.reshape(shape).masked_fill(undefined, float("nan"))
+            diag = tail_diagnostics(p, stk["omp"], tail_slots=s, prefix=buf.prefix)
+            diag["trace_c2"] = torch.zeros_like(variance) if trace_c2 else torch.full_like(variance, torch.nan)
+            if s and trace_c2:
+                diag["trace_c2"] = self._trace_c2_stacked(p, out, variance, refresh, g, s)
+            for name in CERTIFICATE_STATS:
+                step[name] = diag[name].reshape(shape).masked_fill(undefined, float("nan"))
+        elif certificate:
+            nan = torch.full(shape, float("nan"), device=p.device)
+            step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
+        return step
+
+    def _trace_c2_stacked(self, p, out, variance, refresh, g: int, s: int) -> torch.Tensor:
+        """`_trace_c2` for all layers at once: one GEMM [a; (1 - pi) a^2] @ features over every layer's tail, with
+        both row blocks already in the work buffer."""
+        if refresh is False and self._psi_all is not None:
+            return self._psi_all * variance.square()
+        stk = self._stacked_buffers()
+        a, b = self._rows[..., g : 2 * g, :s], self._rows[..., 2 * g :, :s]
+        torch.mul(stk["omp"].unsqueeze(-2), a.square(), out=b)
+        rows = self._rows[..., g:, :s]
+        tc2 = trace_c2_from_features(p, stk["omp"], stk["features"], out, self._sketch, variance, tail_rows=rows)
+        if refresh:
+            v2 = variance.square()
+            self._psi_all = torch.where(v2 > 0, tc2 / v2.clamp_min(torch.finfo(v2.dtype).tiny), torch.ones_like(v2))
+        return tc2
 
     def _step_stats(
         self, layer, q, res, buf, scale, bsz, n_q, certificate, trace_c2, refresh=None
@@ -337,6 +482,8 @@ class Bucket:
         times this step's V_hat^2: the effective dimension h = V_hat^2 / tr(C^2) is carried, V_hat is not."""
         if refresh is False and self._psi[layer] is not None:
             return self._psi[layer] * variance.square()
+        if self._features[layer] is None:  # built for stats_after_forward, decoded without it
+            self._features[layer] = tail_features(buf.values[:, :, : buf.tail_slots], self._sketch)
         tc2 = trace_c2_from_features(p, buf.one_minus_pi, self._features[layer], out, self._sketch, variance)
         if refresh:  # V_hat = 0 carries h = 1 (psi = 1): the radius is 0 until V_hat grows, then Gaussian-like
             v2 = variance.square()
@@ -378,6 +525,17 @@ class CompressedState:
         self.trace_c2_refresh: bool | None = None  # None: tr(C^2) every step; True / False: refresh / carry
         self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
         self.position = 0  # absolute position of the next token (set by forward_with_state)
+        self._defer = False  # DecodeOptions.stats_after_forward, where every bucket's layers allow it
+
+    @property
+    def stats_after_forward(self) -> bool:
+        return self._defer
+
+    @stats_after_forward.setter
+    def stats_after_forward(self, on: bool) -> None:
+        """Per-step statistics for all layers at once after the forward (`finish_step`), not inside each layer;
+        silently per layer on a model whose layers differ in slot layout (sliding-window layers)."""
+        self._defer = bool(on) and all(b.uniform_layers for b in self.buckets)
 
     @property
     def batch_size(self) -> int:
@@ -428,6 +586,7 @@ class CompressedState:
                 certificate=self.compute_certificate,
                 trace_c2=self.compute_trace_c2,
                 trace_c2_refresh=self.trace_c2_refresh,
+                defer=self._defer,
             )
             outs.append(out)
             steps.append(step)
@@ -438,3 +597,15 @@ class CompressedState:
                     steps[0][name] if len(steps) == 1 else torch.cat([st[name] for st in steps])
                 )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def finish_step(self) -> None:
+        """After a forward with deferred statistics: every bucket's statistics of all layers, appended per layer to
+        `stats` (rows of the buckets side by side, as `attend` does)."""
+        if self.stats is None or not self._defer or not any(b._pending for b in self.buckets):
+            return
+        steps = [
+            b.flush_stats(self.compute_certificate, self.compute_trace_c2, self.trace_c2_refresh) for b in self.buckets
+        ]
+        for name in steps[0]:
+            stacked = steps[0][name] if len(steps) == 1 else torch.cat([st[name] for st in steps], dim=1)
+            getattr(self.stats, name).extend(stacked.unbind(0))

@@ -169,6 +169,8 @@ class Prefill:
                         region=region,
                         capacity=(n - region) + options.max_new_tokens + 1,
                         oracle=options.oracle,
+                        stats_after_forward=options.stats_after_forward,
+                        keys_transposed=options.keys_transposed,
                     )
                     for g in groups
                 ]
@@ -253,7 +255,15 @@ class CompressedBatch:
 
 # ------------------------------------------------------------------------------------------------ the buffers
 def _build_bucket(
-    comps: list[Compressed], policies: list[Policy], prefill: Prefill, *, region: int, capacity: int, oracle: bool
+    comps: list[Compressed],
+    policies: list[Policy],
+    prefill: Prefill,
+    *,
+    region: int,
+    capacity: int,
+    oracle: bool,
+    stats_after_forward: bool = False,
+    keys_transposed: bool = False,
 ) -> Bucket:
     """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
     The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
@@ -266,12 +276,17 @@ def _build_bucket(
         b = len(comps)
         keys = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=k_full.device)
         values = torch.zeros_like(keys)
+        if keys_transposed:  # (B, Hkv, d, slots): q K^T without a transposed operand
+            keys = keys.transpose(-1, -2).contiguous()
         offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=k_full.device)
         omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=k_full.device)
         for row, c in enumerate(comps):
             idx = c.indices[layer]
             m = idx.shape[-1]
-            keys[row, :, :m] = gather_tokens(k_full, idx)
+            if keys_transposed:
+                keys[row, :, :, :m] = gather_tokens(k_full, idx).transpose(-1, -2)
+            else:
+                keys[row, :, :m] = gather_tokens(k_full, idx)
             values[row, :, :m] = gather_tokens(v_full, idx)
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
@@ -297,7 +312,13 @@ def _build_bucket(
                 window=window,
                 positions=positions,
                 prefix=width,
+                keys_transposed=keys_transposed,
             )
         )
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
-    return Bucket(layers, certificate_rows=rows, oracle_prefix=prefill.oracle_prefix(region) if oracle else None)
+    return Bucket(
+        layers,
+        certificate_rows=rows,
+        oracle_prefix=prefill.oracle_prefix(region) if oracle else None,
+        stats_after_forward=stats_after_forward,
+    )
