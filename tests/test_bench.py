@@ -5,6 +5,7 @@ decode-step timer driven by generate_variants' on_step callback, and the before 
 import dataclasses
 import json
 import math
+import statistics
 
 import pytest
 
@@ -229,15 +230,29 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "certificate+oracle",
         "certificate, no tight radius",
         "certificate, tight radius every 8",
+        "plain, fast path",
+        "certificate, fast path",
+        "certificate+oracle, fast path",
     }
-    assert _positive(data["certificate_overhead_no_tight"]) and _positive(data["certificate_overhead_tight_every8"])
+    for key in (
+        "certificate_overhead_no_tight",
+        "certificate_overhead_tight_every8",
+        "certificate_overhead_default_path",
+        "certificate_overhead_vs_default_plain",
+        "fast_path_speedup",
+        "roofline_multiple_default_path",
+    ):
+        assert _positive(data[key]), key
+    d = data["decode"]  # the headline is the fast path's certificate over the fast path's plain step
+    ratios = [c / p for c, p in zip(d["certificate, fast path"]["samples_s"], d["plain, fast path"]["samples_s"])]
+    assert data["certificate_overhead"] == pytest.approx(statistics.median(ratios))
     roof = data["roofline"]
-    assert len(roof["rows"]) == 3 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
+    assert len(roof["rows"]) == 5 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
     for r in roof["rows"]:
         assert all(_positive(r[k]) for k in ("step_s", "bytes", "flops", "limit_s", "multiple"))
         assert r["limit_s"] == max(r["memory_s"], r["compute_s"])
     assert data["roofline_headline"] == dict(
-        data["roofline_headline"], variants=24, tokens=1024, config="certificate+oracle"
+        data["roofline_headline"], variants=24, tokens=1024, config="certificate+oracle, fast path"
     )
     assert _positive(roof["machine"]["bandwidth"]["bandwidth_Bps"])
     assert data["examples"]["variants"] == 21 and _positive(data["examples"]["before"]["seconds_per_example"])

@@ -5,6 +5,7 @@ import pytest
 
 from conftest import CONF, compose
 from kvcert.config import ConfigError, policies, result_name, validate
+from kvcert.run import decode_options
 
 
 def _group_options(group: str) -> list[str]:
@@ -56,6 +57,9 @@ def test_folder_names_ignore_speed_switches_and_unset_optional_keys():
     name = "smollm2-135m-instruct__5tasks__1000-2000__claims__b0.25-0.5-0.75__s0__163b0397"
     assert result_name(cfg) == name
     assert result_name(compose(["+claim=c1_coverage", "decode.one_batch=false", "decode.drop_finished=false"])) == name
+    fast = ["decode.stats_after_forward=true", "decode.keys_transposed=true"]
+    assert result_name(compose(["+claim=c1_coverage", *fast])) == name
+    assert decode_options(compose(fast)).stats_after_forward and decode_options(compose(fast)).keys_transposed
     kv = compose(["policy.grid=[{scorer: streaming, designs: [topk], compress_after: context}]"])
     plain = compose(["policy.grid=[{scorer: streaming, designs: [topk]}]"])
     assert result_name(kv) != result_name(plain)

@@ -16,7 +16,9 @@ QUESTION_TOKENS = 40
 SCORERS = ("window_question", "window_context", "streaming")
 DESIGNS = ("topk", "randomized")
 BUDGETS = (0.25, 0.5, 0.75, 0.9)
-AFTER_FIELDS = ("one_batch", "drop_finished")  # DecodeOptions fields the before/after comparison toggles
+# DecodeOptions fields the before/after comparison toggles: the first two must exist, the others where they do
+AFTER_FIELDS = ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed")
+FAST_PATH = dict(stats_after_forward=True, keys_transposed=True)  # the opt-in fast decode (README, Performance)
 
 
 @dataclass(frozen=True)
@@ -176,12 +178,14 @@ def run_generate(model, ids, qs, policies, opts, device, tokenizer=None):
 
 
 def before_after_options(opts) -> tuple[object, object | None]:
-    """(before, after): `before` is today's behaviour (one_batch / drop_finished False); `after` sets both True.
-    On a DecodeOptions without those fields `before` is the options unchanged and `after` is None ('n/a')."""
+    """(before, after): `before` is the unoptimised decode (every AFTER_FIELDS switch False); `after` sets them True.
+    On a DecodeOptions without one_batch / drop_finished `before` is the options unchanged and `after` is None
+    ('n/a'); later switches are toggled where the DecodeOptions has them."""
     names = {f.name for f in dataclasses.fields(opts)}
-    if not set(AFTER_FIELDS) <= names:
+    if not set(AFTER_FIELDS[:2]) <= names:
         return opts, None
+    fields = [f for f in AFTER_FIELDS if f in names]
     return (
-        dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, False)),
-        dataclasses.replace(opts, **dict.fromkeys(AFTER_FIELDS, True)),
+        dataclasses.replace(opts, **dict.fromkeys(fields, False)),
+        dataclasses.replace(opts, **dict.fromkeys(fields, True)),
     )

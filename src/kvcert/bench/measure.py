@@ -10,6 +10,7 @@ from dataclasses import replace
 import torch
 
 from kvcert.bench.common import (
+    FAST_PATH,
     before_after_options,
     median,
     policy_grid,
@@ -26,6 +27,10 @@ DECODE_CONFIGS = {
     # the certificate's parts: V_hat + diagnostics without tr(C^2); tr(C^2) refreshed every 8th step
     "certificate, no tight radius": dict(certificate=True, oracle=False, tight_radius=False),
     "certificate, tight radius every 8": dict(certificate=True, oracle=False, tight_radius_every=8),
+    # the opt-in fast path (decode.stats_after_forward + decode.keys_transposed): same records to float rounding
+    "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
+    "certificate, fast path": dict(certificate=True, oracle=False, **FAST_PATH),
+    "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
 }
 
 

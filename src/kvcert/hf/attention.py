@@ -209,11 +209,15 @@ class Bucket:
         certificate_rows: torch.Tensor,
         oracle_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
         stats_after_forward: bool = False,
+        oracle_stacked: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ):
         """oracle_prefix: per layer (K^T (Hkv, d, n), V (Hkv, n, d)) of the first n prefill tokens, fp32: the shared
         prefix in a matmul layout (a broadcast matmul would copy it once per variant); None = no oracle.
         stats_after_forward: the bucket will decode with DecodeOptions.stats_after_forward, so its tr(C^2) features
-        are built stacked and packed (`_stacked_buffers`), not per layer (either is built on demand if needed)."""
+        are built stacked and packed (`_stacked_buffers`), not per layer (either is built on demand if needed).
+        oracle_stacked: (K^T, V) of the shared prefix (layers, Hkv, d, n) / (layers, Hkv, n, d) and the own parts'
+        keys and values (layers, B, Hkv, capacity, d), whose per-layer views the LayerBuffers hold: with them the
+        deferred path computes the oracle's error for every layer in one pass after the forward too."""
         self.layers = layers
         self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
         self.position = 0  # absolute position of the next token (set by the state)
@@ -246,6 +250,9 @@ class Bucket:
         self._rows: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
         self._pending: list[int] = []  # layers written since the last flush
+        self._oracle_stacked = oracle_stacked
+        self._queries: list[torch.Tensor] = []  # each layer's query, for the stacked oracle
+        self._scale = 1.0
         self._pending_variance = False
         self._stacked: dict[str, torch.Tensor] | None = None  # per-layer tensors stacked on dim 0 (lazily)
         self._psi_all: torch.Tensor | None = None  # _psi of the stacked path: (layers, B, Hkv, group)
@@ -258,8 +265,16 @@ class Bucket:
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drop every row not in `rows` (finished variants leave the batch)."""
+        if self._oracle_stacked is not None:  # the own parts are views into one tensor: select it once
+            kt, v, own_k, own_v = self._oracle_stacked
+            own_k, own_v = own_k.index_select(1, rows), own_v.index_select(1, rows)
+            self._oracle_stacked = (kt, v, own_k, own_v)
+            for buf in self.layers:
+                buf.oracle_keys, buf.oracle_values = None, None
         for layer, buf in enumerate(self.layers):
             buf.keep_rows(rows)
+            if self._oracle_stacked is not None:
+                buf.oracle_keys, buf.oracle_values = self._oracle_stacked[2][layer], self._oracle_stacked[3][layer]
             self._tail[layer] = self._tail[layer].index_select(0, rows)
             if self._features[layer] is not None:
                 self._features[layer] = self._features[layer].index_select(0, rows)
@@ -336,7 +351,12 @@ class Bucket:
         if certify and defer:
             variance = certificate and self.certified
             out = self._attend_deferred(layer, q, keys, values, offset, scale, mask, variance, buf)
-            step = {"error": self._error(layer, q, out, buf, scale)} if self.has_oracle else {}
+            step = {}
+            if self.has_oracle and self._oracle_stacked is None:
+                step["error"] = self._error(layer, q, out, buf, scale)
+            elif self.has_oracle:  # the error of every layer after the forward (`_error_stacked`)
+                self._queries.append(q)
+                self._scale = scale
             return out.reshape(bsz, n_q, t, d).to(query.dtype), step
         res = hajek_attention(
             q,
@@ -421,6 +441,8 @@ class Bucket:
             ).clamp_min(0)
         step = {"out_norm": out.norm(dim=-1).reshape(shape), "p_max": p.amax(-1).reshape(shape)}
         step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
+        if self._queries:
+            step["error"] = self._error_stacked(out, buf.oracle_length).reshape(shape)
         if variance is not None:
             undefined = ~self.certificate_rows[None, :, None]
             step["variance"] = variance.reshape(shape).masked_fill(undefined, float("nan"))
@@ -434,6 +456,26 @@ class Bucket:
             nan = torch.full(shape, float("nan"), device=p.device)
             step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
         return step
+
+    def _error_stacked(self, out: torch.Tensor, own_length: int) -> torch.Tensor:
+        """`_oracle` for every layer at once (the same two-part softmax: shared prefix, then the variant's own
+        tokens), and the error ||o_hat - o|| (layers, B, Hkv, group)."""
+        q = torch.stack(self._queries)  # (layers, B, Hkv, g, d)
+        self._queries = []
+        n_layers, bsz, n_kv, g, d = q.shape
+        kt, fv, own_k, own_v = self._oracle_stacked
+        app_k, app_v = own_k[..., :own_length, :], own_v[..., :own_length, :]
+        qh = q.transpose(1, 2).reshape(n_layers, n_kv, bsz * g, d)
+        lf = torch.matmul(qh, kt).mul_(self._scale).view(n_layers, n_kv, bsz, g, -1)  # (layers, Hkv, B, g, n)
+        la = (q @ app_k.transpose(-1, -2)).mul_(self._scale).transpose(1, 2)  # (layers, Hkv, B, g, a)
+        m = la.amax(-1, keepdim=True)  # the own part holds at least the query's token
+        if lf.shape[-1]:
+            m = torch.maximum(lf.amax(-1, keepdim=True), m)
+        ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
+        z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
+        num = torch.matmul(ef.view(n_layers, n_kv, bsz * g, -1), fv).view(n_layers, n_kv, bsz, g, d)
+        num = num + ea @ app_v.transpose(1, 2)
+        return (out - (num / z).transpose(1, 2)).norm(dim=-1)
 
     def _trace_c2_stacked(self, p, out, variance, refresh, g: int, s: int) -> torch.Tensor:
         """`_trace_c2` for all layers at once: one GEMM [a; (1 - pi) a^2] @ features over every layer's tail, with

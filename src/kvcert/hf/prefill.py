@@ -74,6 +74,7 @@ class Prefill:
     layer_windows: list[int | None]  # each layer's sliding window (None: full attention)
     _scores: dict = field(default_factory=dict)  # scorer -> scores, shared by the policies of one compress()
     _oracle_layout: dict = field(default_factory=dict)  # prefix length -> per-layer (K^T, V) in fp32, shared
+    _oracle_stacked: dict = field(default_factory=dict)  # prefix length -> (K^T, V) of all layers stacked, shared
 
     @classmethod
     @torch.no_grad()
@@ -115,6 +116,16 @@ class Prefill:
                 [v[0, :, :n].float().contiguous() for v in self.full_values],
             )
         return self._oracle_layout[n]
+
+    def oracle_prefix_stacked(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`oracle_prefix` with the layers stacked, (layers, Hkv, d, n) and (layers, Hkv, n, d), for the oracle of
+        DecodeOptions.stats_after_forward (one matmul for every layer); built once."""
+        if n not in self._oracle_stacked:
+            self._oracle_stacked[n] = (
+                torch.stack([k[0, :, :n].float().transpose(-1, -2) for k in self.full_keys]),
+                torch.stack([v[0, :, :n].float() for v in self.full_values]),
+            )
+        return self._oracle_stacked[n]
 
     # ---------------------------------------------------------------------------------------------- compress
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
@@ -268,7 +279,17 @@ def _build_bucket(
     """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
     The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
     layers = []
-    for layer in range(len(prefill.full_keys)):
+    n_layers = len(prefill.full_keys)
+    own_all = None  # stats_after_forward: every layer's own oracle part in one tensor (one matmul per step)
+    if oracle and stats_after_forward:
+        _, n_kv, _, d = prefill.full_keys[0].shape
+        own_all = [
+            torch.zeros(
+                n_layers, len(comps), n_kv, capacity, d, dtype=torch.float32, device=prefill.full_keys[0].device
+            )
+            for _ in range(2)
+        ]
+    for layer in range(n_layers):
         k_full, v_full = prefill.full_keys[layer][0], prefill.full_values[layer][0]  # (Hkv, n, d)
         n_kv, _, d = k_full.shape
         width = max(c.indices[layer].shape[-1] for c in comps)
@@ -306,8 +327,8 @@ def _build_bucket(
                 value_sq_norms=values[:, :, :slots].square().sum(-1),
                 tail_slots=slots,
                 length=width,
-                oracle_keys=own,
-                oracle_values=None if own is None else own.clone(),
+                oracle_keys=own if own_all is None else own_all[0][layer],
+                oracle_values=None if own is None else own.clone() if own_all is None else own_all[1][layer],
                 compressed=window is None,
                 window=window,
                 positions=positions,
@@ -316,6 +337,15 @@ def _build_bucket(
             )
         )
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
+    if own_all is not None:
+        kt_all, v_all = prefill.oracle_prefix_stacked(region)
+        return Bucket(
+            layers,
+            certificate_rows=rows,
+            oracle_prefix=(list(kt_all.unbind(0)), list(v_all.unbind(0))),
+            stats_after_forward=True,
+            oracle_stacked=(kt_all, v_all, own_all[0], own_all[1]),
+        )
     return Bucket(
         layers,
         certificate_rows=rows,
