@@ -187,3 +187,16 @@ def test_fast_switches_change_nothing_but_float_rounding(tiny_smol, monkeypatch,
                 a.policy.label,
                 name,
             )
+
+
+def test_take_tokens_is_the_gather_it_replaces():
+    """The buffers' row copy equals core.hajek.gather_tokens exactly, per head and for repeated indices."""
+    from kvcert.core.hajek import gather_tokens
+    from kvcert.hf.prefill import _take_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 8, generator=g)
+    idx = torch.randint(0, 50, (3, 17), generator=g)
+    idx[1, :3] = 49  # repeats and the last token
+    assert torch.equal(_take_tokens(x, idx), gather_tokens(x, idx))
+    assert torch.equal(_take_tokens(x, idx[:, :0]), gather_tokens(x, idx[:, :0]))

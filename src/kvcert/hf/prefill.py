@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvcert.core.hajek import gather_tokens
 from kvcert.hf.attention import (
     Bucket,
     CompressedState,
@@ -265,6 +264,14 @@ class CompressedBatch:
 
 
 # ------------------------------------------------------------------------------------------------ the buffers
+def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """`core.hajek.gather_tokens` for one (Hkv, n, d) tensor and (Hkv, m) indices, as one row copy (index_select
+    over the flattened heads): the same values, several times faster than an elementwise gather."""
+    n_kv, n, d = x.shape
+    flat = (indices + torch.arange(n_kv, device=indices.device)[:, None] * n).reshape(-1)
+    return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
+
+
 def _build_bucket(
     comps: list[Compressed],
     policies: list[Policy],
@@ -295,20 +302,19 @@ def _build_bucket(
         width = max(c.indices[layer].shape[-1] for c in comps)
         slots = max(c.tail_slots[layer] for c in comps)
         b = len(comps)
-        keys = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=k_full.device)
-        values = torch.zeros_like(keys)
-        if keys_transposed:  # (B, Hkv, d, slots): q K^T without a transposed operand
-            keys = keys.transpose(-1, -2).contiguous()
+        values = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=k_full.device)
+        # (B, Hkv, d, slots) with keys_transposed: q K^T without a transposed operand
+        keys = torch.zeros_like(values) if not keys_transposed else values.new_zeros(b, n_kv, d, width + capacity)
         offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=k_full.device)
         omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=k_full.device)
         for row, c in enumerate(comps):
             idx = c.indices[layer]
             m = idx.shape[-1]
             if keys_transposed:
-                keys[row, :, :, :m] = gather_tokens(k_full, idx).transpose(-1, -2)
+                keys[row, :, :, :m] = _take_tokens(k_full, idx).transpose(-1, -2)
             else:
-                keys[row, :, :m] = gather_tokens(k_full, idx)
-            values[row, :, :m] = gather_tokens(v_full, idx)
+                keys[row, :, :m] = _take_tokens(k_full, idx)
+            values[row, :, :m] = _take_tokens(v_full, idx)
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
         own = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device) if oracle else None
