@@ -163,6 +163,9 @@ def test_fast_switches_change_nothing_but_float_rounding(tiny_smol, monkeypatch,
         for d in ("topk", "randomized")
         for b in (0.3, 0.6)
     ]
+    policies += [  # a second compression time: a second oracle prefix, buckets grouped by it
+        Policy(scorer="streaming", design=d, budget=0.5, compress_after="context") for d in ("topk", "randomized")
+    ]
     base = DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=every)
     ref = generate_variants(model, tok, prompt, policies, base)
     flushes = []

@@ -418,9 +418,12 @@ class Bucket:
                 )
         return self._stacked
 
-    def flush_stats(self, certificate: bool, trace_c2: bool, refresh: bool | None) -> dict[str, torch.Tensor]:
+    def flush_stats(
+        self, certificate: bool, trace_c2: bool, refresh: bool | None, error: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """The statistics `_step_stats` computes per layer, for all layers at once from what `attend(defer=True)`
-        kept: name -> (layers, B, Hq). Same formulas on stacked tensors, so equal to float rounding."""
+        kept: name -> (layers, B, Hq). Same formulas on stacked tensors, so equal to float rounding. error: this
+        bucket's part of `oracle_errors` (computed for all buckets of one oracle prefix together)."""
         if self._pending != list(range(len(self.layers))):
             raise RuntimeError(f"deferred statistics of layers {self._pending}, expected every layer once")
         buf = self.layers[0]
@@ -441,8 +444,10 @@ class Bucket:
             ).clamp_min(0)
         step = {"out_norm": out.norm(dim=-1).reshape(shape), "p_max": p.amax(-1).reshape(shape)}
         step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
-        if self._queries:
-            step["error"] = self._error_stacked(out, buf.oracle_length).reshape(shape)
+        if error is None and self._queries:
+            error = oracle_errors([self])[0]
+        if error is not None:
+            step["error"] = error.reshape(shape)
         if variance is not None:
             undefined = ~self.certificate_rows[None, :, None]
             step["variance"] = variance.reshape(shape).masked_fill(undefined, float("nan"))
@@ -456,26 +461,6 @@ class Bucket:
             nan = torch.full(shape, float("nan"), device=p.device)
             step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
         return step
-
-    def _error_stacked(self, out: torch.Tensor, own_length: int) -> torch.Tensor:
-        """`_oracle` for every layer at once (the same two-part softmax: shared prefix, then the variant's own
-        tokens), and the error ||o_hat - o|| (layers, B, Hkv, group)."""
-        q = torch.stack(self._queries)  # (layers, B, Hkv, g, d)
-        self._queries = []
-        n_layers, bsz, n_kv, g, d = q.shape
-        kt, fv, own_k, own_v = self._oracle_stacked
-        app_k, app_v = own_k[..., :own_length, :], own_v[..., :own_length, :]
-        qh = q.transpose(1, 2).reshape(n_layers, n_kv, bsz * g, d)
-        lf = torch.matmul(qh, kt).mul_(self._scale).view(n_layers, n_kv, bsz, g, -1)  # (layers, Hkv, B, g, n)
-        la = (q @ app_k.transpose(-1, -2)).mul_(self._scale).transpose(1, 2)  # (layers, Hkv, B, g, a)
-        m = la.amax(-1, keepdim=True)  # the own part holds at least the query's token
-        if lf.shape[-1]:
-            m = torch.maximum(lf.amax(-1, keepdim=True), m)
-        ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
-        z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
-        num = torch.matmul(ef.view(n_layers, n_kv, bsz * g, -1), fv).view(n_layers, n_kv, bsz, g, d)
-        num = num + ea @ app_v.transpose(1, 2)
-        return (out - (num / z).transpose(1, 2)).norm(dim=-1)
 
     def _trace_c2_stacked(self, p, out, variance, refresh, g: int, s: int) -> torch.Tensor:
         """`_trace_c2` for all layers at once: one GEMM [a; (1 - pi) a^2] @ features over every layer's tail, with
@@ -554,6 +539,37 @@ class Bucket:
         z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
         num = torch.matmul(ef.view(n_kv, bsz * g, -1), fv).view(n_kv, bsz, g, d) + ea @ app_v.transpose(0, 1)
         return (num / z).transpose(0, 1)  # (B, Hkv, g, d)
+
+
+def oracle_errors(buckets: list[Bucket]) -> list[torch.Tensor]:
+    """The deferred oracle error ||o_hat - o|| (layers, B, Hkv, group) of buckets that share one oracle prefix (one
+    compression time): `Bucket._oracle` for every layer and every row at once -- the shared prefix's K^T and V are
+    read once per step, not once per bucket -- with the same two-part softmax (prefix, then the own tokens)."""
+    kt, fv = buckets[0]._oracle_stacked[:2]
+    own = buckets[0].layers[0].oracle_length
+    if any(b.layers[0].oracle_length != own for b in buckets):
+        raise RuntimeError("buckets of one oracle prefix hold own parts of different lengths")
+    q = torch.cat([torch.stack(b._queries) for b in buckets], dim=1)  # (layers, B, Hkv, g, d)
+    g = q.shape[3]
+    out = torch.cat([b._out[..., :g, :] for b in buckets], dim=1)
+    app_k = torch.cat([b._oracle_stacked[2][..., :own, :] for b in buckets], dim=1)  # (layers, B, Hkv, a, d)
+    app_v = torch.cat([b._oracle_stacked[3][..., :own, :] for b in buckets], dim=1)
+    scale = buckets[0]._scale
+    for b in buckets:
+        b._queries = []
+    n_layers, bsz, n_kv, g, d = q.shape
+    qh = q.transpose(1, 2).reshape(n_layers, n_kv, bsz * g, d)
+    lf = torch.matmul(qh, kt).mul_(scale).view(n_layers, n_kv, bsz, g, -1)  # (layers, Hkv, B, g, n)
+    la = (q @ app_k.transpose(-1, -2)).mul_(scale).transpose(1, 2)  # (layers, Hkv, B, g, a)
+    m = la.amax(-1, keepdim=True)  # the own part holds at least the query's token
+    if lf.shape[-1]:
+        m = torch.maximum(lf.amax(-1, keepdim=True), m)
+    ef, ea = lf.sub_(m).exp_(), (la - m).exp_()
+    z = ef.sum(-1, keepdim=True) + ea.sum(-1, keepdim=True)
+    num = torch.matmul(ef.view(n_layers, n_kv, bsz * g, -1), fv).view(n_layers, n_kv, bsz, g, d)
+    num = num + ea @ app_v.transpose(1, 2)
+    error = (out - (num / z).transpose(1, 2)).norm(dim=-1)
+    return list(error.split([b.batch_size for b in buckets], dim=1))
 
 
 class CompressedState:
@@ -645,8 +661,16 @@ class CompressedState:
         `stats` (rows of the buckets side by side, as `attend` does)."""
         if self.stats is None or not self._defer or not any(b._pending for b in self.buckets):
             return
+        errors: dict[int, torch.Tensor] = {}
+        groups: dict[int, list[Bucket]] = {}  # buckets by oracle prefix (compression time)
+        for b in self.buckets:
+            if b._queries:
+                groups.setdefault(id(b._oracle_stacked[0]), []).append(b)
+        for group in groups.values():
+            errors.update({id(b): e for b, e in zip(group, oracle_errors(group))})
         steps = [
-            b.flush_stats(self.compute_certificate, self.compute_trace_c2, self.trace_c2_refresh) for b in self.buckets
+            b.flush_stats(self.compute_certificate, self.compute_trace_c2, self.trace_c2_refresh, errors.get(id(b)))
+            for b in self.buckets
         ]
         for name in steps[0]:
             stacked = steps[0][name] if len(steps) == 1 else torch.cat([st[name] for st in steps], dim=1)
