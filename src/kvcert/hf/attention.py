@@ -354,7 +354,7 @@ class Bucket:
             step = {}
             if self.has_oracle and self._oracle_stacked is None:
                 step["error"] = self._error(layer, q, out, buf, scale)
-            elif self.has_oracle:  # the error of every layer after the forward (`_error_stacked`)
+            elif self.has_oracle:  # the error of every layer after the forward (`oracle_errors`)
                 self._queries.append(q)
                 self._scale = scale
             return out.reshape(bsz, n_q, t, d).to(query.dtype), step
