@@ -27,8 +27,9 @@ def _prompt(seed=0):
     return Prompt(input_ids=ids, question_start=QS, example_id="g")
 
 
-@pytest.mark.parametrize("one_batch", [True, False])
-def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch):
+@pytest.mark.parametrize("one_batch, fast", [(True, False), (False, False), (True, True)])
+def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch, fast):
+    """fast: the opt-in fast path (keys stored transposed; statistics stay per layer on a hybrid model)."""
     model = tiny_gemma3()
     prompt = _prompt()
     ref_tokens, ref_lp = hf_greedy(model, prompt.input_ids, STEPS)
@@ -37,7 +38,8 @@ def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch):
         for s in ("window_question", "window_context")
         for d in ("topk", "randomized", "uniform")
     ]
-    for r in generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=STEPS, one_batch=one_batch)):
+    opts = DecodeOptions(max_new_tokens=STEPS, one_batch=one_batch, stats_after_forward=fast, keys_transposed=fast)
+    for r in generate_variants(model, None, prompt, policies, opts):
         assert r.tokens == ref_tokens, r.policy.label
         assert max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5, r.policy.label
         assert np.nanmax(r.stats["error"]) < 1e-5  # the oracle applies each layer's window too
