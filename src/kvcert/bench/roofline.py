@@ -37,6 +37,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from kvcert.bench.common import FAST_PATH
+
 F32 = 4
 
 
@@ -215,10 +217,8 @@ ROOFLINE_CONFIGS = {
     "certificate": dict(certificate=True, oracle=False),
     "certificate+oracle": dict(certificate=True, oracle=True),
     # the opt-in fast path moves the same bytes and flops (the cost model below does not see the switches)
-    "plain, fast path": dict(certificate=False, oracle=False, stats_after_forward=True, keys_transposed=True),
-    "certificate+oracle, fast path": dict(
-        certificate=True, oracle=True, stats_after_forward=True, keys_transposed=True
-    ),
+    "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
+    "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
 }
 COST_FLAGS = ("certificate", "oracle")  # the configuration keys the cost model reads
 

@@ -52,6 +52,7 @@ float64, agreeing with scipy.stats.chi2.ppf to ~1e-10 relative; tested); `tight_
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
@@ -389,12 +390,14 @@ def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor, *, packed: bo
     return torch.cat([outer, vr, q * vr, q, q.square(), torch.ones_like(q)], -1)
 
 
+@functools.lru_cache(maxsize=8)  # built once per (k, device): trace_c2_from_features runs at every decode step
 def _upper_triangle(k: int, device) -> torch.Tensor:
     """Flat indices (into a row-major k x k) of the upper triangle, row-major: the packed layout's order."""
     rows, cols = torch.triu_indices(k, k, device=device)
     return rows * k + cols
 
 
+@functools.lru_cache(maxsize=8)
 def _unpack_index(k: int, device) -> torch.Tensor:
     """(k, k) positions in the packed upper triangle of each entry of the symmetric matrix."""
     rows, cols = torch.triu_indices(k, k, device=device)

@@ -317,7 +317,12 @@ def _build_bucket(
             values[row, :, :m] = _take_tokens(v_full, idx)
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
-        own = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device) if oracle else None
+        own_k = own_v = None  # the oracle's own part: views into own_all, or this layer's buffers
+        if own_all is not None:
+            own_k, own_v = own_all[0][layer], own_all[1][layer]
+        elif oracle:
+            own_k = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device)
+            own_v = own_k.clone()
         window = prefill.layer_windows[layer]
         positions = None
         if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
@@ -333,8 +338,8 @@ def _build_bucket(
                 value_sq_norms=values[:, :, :slots].square().sum(-1),
                 tail_slots=slots,
                 length=width,
-                oracle_keys=own if own_all is None else own_all[0][layer],
-                oracle_values=None if own is None else own.clone() if own_all is None else own_all[1][layer],
+                oracle_keys=own_k,
+                oracle_values=own_v,
                 compressed=window is None,
                 window=window,
                 positions=positions,
@@ -343,18 +348,16 @@ def _build_bucket(
             )
         )
     rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
-    if own_all is not None:
+    prefix, stacked = None, None
+    if own_all is not None:  # the stacked prefix, and per-layer views of it for the per-layer code
         kt_all, v_all = prefill.oracle_prefix_stacked(region)
-        return Bucket(
-            layers,
-            certificate_rows=rows,
-            oracle_prefix=(list(kt_all.unbind(0)), list(v_all.unbind(0))),
-            stats_after_forward=True,
-            oracle_stacked=(kt_all, v_all, own_all[0], own_all[1]),
-        )
+        prefix, stacked = (list(kt_all.unbind(0)), list(v_all.unbind(0))), (kt_all, v_all, *own_all)
+    elif oracle:
+        prefix = prefill.oracle_prefix(region)
     return Bucket(
         layers,
         certificate_rows=rows,
-        oracle_prefix=prefill.oracle_prefix(region) if oracle else None,
+        oracle_prefix=prefix,
         stats_after_forward=stats_after_forward,
+        oracle_stacked=stacked,
     )
