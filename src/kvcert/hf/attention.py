@@ -391,8 +391,9 @@ class Bucket:
             logits = logits + mask
         p = rows[..., :g, :length]
         torch.softmax(logits, -1, out=p)
-        if variance:
-            torch.mul(buf.one_minus_pi.unsqueeze(-2), p[..., :s].square(), out=rows[..., g : 2 * g, :s])
+        if variance:  # a = (1 - pi) p^2 in place (no temporary)
+            a = rows[..., g : 2 * g, :s]
+            torch.mul(p[..., :s], p[..., :s], out=a).mul_(buf.one_minus_pi.unsqueeze(-2))
             torch.matmul(rows[..., : 2 * g, :length], values, out=out)
         else:
             torch.matmul(p, values, out=out[..., :g, :])
@@ -410,7 +411,14 @@ class Bucket:
         if self._stacked is None:
             omp = torch.stack([b.one_minus_pi for b in self.layers])  # (layers, B, Hkv, s)
             value_sq_norms = torch.stack([b.value_sq_norms for b in self.layers])
-            self._stacked = {"omp": omp, "value_sq_norms": value_sq_norms, "tail": torch.stack(self._tail)}
+            tail = torch.stack(self._tail)  # (layers, B, Hkv, s, 1)
+            inverse_omp = torch.where(omp > 0, 1 / omp.clamp_min(torch.finfo(omp.dtype).tiny), torch.zeros_like(omp))
+            self._stacked = {
+                "omp": omp,
+                "tail": tail,
+                # [tail indicator, ||v||^2, 1 / (1 - pi) on the tail]: the columns of flush_stats' one tail matmul
+                "tail_columns": torch.cat([tail, value_sq_norms.unsqueeze(-1), inverse_omp.unsqueeze(-1)], -1),
+            }
             if self.certified:  # packed (55 floats per tail token at k = 8, not 83): a third less to read per step
                 s = self.layers[0].tail_slots
                 self._stacked["features"] = torch.stack(
@@ -434,30 +442,41 @@ class Bucket:
         self._pending = []
         shape = (p.shape[0], p.shape[1], p.shape[2] * p.shape[3])  # (layers, B, Hq)
         stk = self._stacked_buffers()
-        variance = None
-        if self._pending_variance:  # V_hat = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a, as in hajek_attention
-            a, a_v = self._rows[..., g : 2 * g, :s], self._out[..., g:, :]
-            variance = (
-                (a * stk["value_sq_norms"].unsqueeze(-2)).sum(-1)
-                - 2 * (out * a_v).sum(-1)
-                + out.square().sum(-1) * a.sum(-1)
-            ).clamp_min(0)
         step = {"out_norm": out.norm(dim=-1).reshape(shape), "p_max": p.amax(-1).reshape(shape)}
-        step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
         if error is None and self._queries:
             error = oracle_errors([self])[0]
         if error is not None:
             step["error"] = error.reshape(shape)
-        if variance is not None:
+        if not self._pending_variance:
+            step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
+        else:
+            # every tail sum in one matmul over [p; a] (a = (1 - pi) p^2): p @ tail = tail mass, a @ ||v||^2,
+            # a @ tail = sum a, a @ (1 / (1 - pi) on the tail) = sum of p^2 over the tail (Kish's denominator)
+            sums = self._rows[..., : 2 * g, :s] @ stk["tail_columns"]  # (layers, B, Hkv, 2 group, 3)
+            mass, a_sq_norms, a_sum, p_sq = sums[..., :g, 0], sums[..., g:, 1], sums[..., g:, 0], sums[..., g:, 2]
+            a_v = self._out[..., g:, :]
+            # V_hat = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a, as in hajek_attention
+            variance = (a_sq_norms - 2 * (out * a_v).sum(-1) + out.square().sum(-1) * a_sum).clamp_min(0)
+            step["tail_mass"] = mass.reshape(shape)
             undefined = ~self.certificate_rows[None, :, None]
             step["variance"] = variance.reshape(shape).masked_fill(undefined, float("nan"))
-            diag = tail_diagnostics(p, stk["omp"], tail_slots=s, prefix=buf.prefix)
+            # core.certificate.tail_diagnostics from the sums above (head mass: the prompt's p minus the tail's)
+            tail_row = stk["tail_columns"][..., 0].unsqueeze(-2)  # (layers, B, Hkv, 1, s)
+            diag = {
+                "ess_tail": torch.where(
+                    p_sq > 0, mass.square() / p_sq.clamp_min(torch.finfo(p_sq.dtype).tiny), torch.zeros_like(p_sq)
+                ),
+                "n_tail": tail_row.sum(-1).expand_as(mass),
+                "tail_max": (p[..., :s] * tail_row).amax(-1) if s > 0 else torch.zeros_like(mass),
+                "head_mass": (p[..., : buf.prefix].sum(-1) - mass).clamp_min(0),
+            }
             diag["trace_c2"] = torch.zeros_like(variance) if trace_c2 else torch.full_like(variance, torch.nan)
             if s and trace_c2:
                 diag["trace_c2"] = self._trace_c2_stacked(p, out, variance, refresh, g, s)
             for name in CERTIFICATE_STATS:
                 step[name] = diag[name].reshape(shape).masked_fill(undefined, float("nan"))
-        elif certificate:
+            return step
+        if certificate:
             nan = torch.full(shape, float("nan"), device=p.device)
             step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
         return step
@@ -469,7 +488,7 @@ class Bucket:
             return self._psi_all * variance.square()
         stk = self._stacked_buffers()
         a, b = self._rows[..., g : 2 * g, :s], self._rows[..., 2 * g :, :s]
-        torch.mul(stk["omp"].unsqueeze(-2), a.square(), out=b)
+        torch.mul(a, a, out=b).mul_(stk["omp"].unsqueeze(-2))  # (1 - pi) a^2 in place
         rows = self._rows[..., g:, :s]
         tc2 = trace_c2_from_features(p, stk["omp"], stk["features"], out, self._sketch, variance, tail_rows=rows)
         if refresh:
