@@ -233,11 +233,13 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "plain, fast path",
         "certificate, fast path",
         "certificate+oracle, fast path",
+        "certificate, fast path, tight radius every 8",
     }
     for key in (
         "certificate_overhead_no_tight",
         "certificate_overhead_tight_every8",
         "certificate_overhead_default_path",
+        "certificate_overhead_fast_tight_every8",
         "certificate_overhead_vs_default_plain",
         "fast_path_speedup",
         "roofline_multiple_default_path",

@@ -90,6 +90,9 @@ def run_bench(
     res["certificate_overhead"] = ratio("certificate, fast path", "plain, fast path")
     res["certificate_overhead_vs_default_plain"] = ratio("certificate, fast path", "plain")
     res["certificate_overhead_default_path"] = ratio("certificate", "plain")
+    res["certificate_overhead_fast_tight_every8"] = ratio(
+        "certificate, fast path, tight radius every 8", "plain, fast path"
+    )
     for key, config in (
         ("certificate_overhead_no_tight", "certificate, no tight radius"),
         ("certificate_overhead_tight_every8", "certificate, tight radius every 8"),

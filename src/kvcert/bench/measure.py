@@ -31,6 +31,9 @@ DECODE_CONFIGS = {
     "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
     "certificate, fast path": dict(certificate=True, oracle=False, **FAST_PATH),
     "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
+    "certificate, fast path, tight radius every 8": dict(
+        certificate=True, oracle=False, tight_radius_every=8, **FAST_PATH
+    ),
 }
 
 

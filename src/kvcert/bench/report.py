@@ -186,6 +186,8 @@ def write_markdown(res: dict, path: Path) -> None:
         f"decode.keys_transposed=true`), vs plain on the fast path | {res['certificate_overhead']:.3f}x | <= 1.15x |",
         "| ... the same vs plain on the default path | "
         f"{_fmt(res.get('certificate_overhead_vs_default_plain'), '.3f', 'x')} | - |",
+        "| ... fast path, tight radius refreshed every 8th step (`decode.tight_radius_every=8`), vs plain on the "
+        f"fast path | {_fmt(res.get('certificate_overhead_fast_tight_every8'), '.3f', 'x')} | - |",
         "| certificate overhead on the default path (the studies' decode) | "
         f"{_fmt(res.get('certificate_overhead_default_path'), '.3f', 'x')} | - |",
         "| ... default path, V_hat + diagnostics, no tight radius | "
