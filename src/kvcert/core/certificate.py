@@ -297,7 +297,12 @@ def conservative_radius(trace_c: torch.Tensor, level: float = 0.95) -> torch.Ten
 
 # --------------------------------------------------------------------------------------------- per-cell diagnostics
 def tail_diagnostics(
-    weights: torch.Tensor, one_minus_pi: torch.Tensor, *, tail_slots: int, prefix: int | None = None
+    weights: torch.Tensor,
+    one_minus_pi: torch.Tensor,
+    *,
+    tail_slots: int,
+    prefix: int | None = None,
+    tail_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Cheap reductions of one step's attention weights p (..., T, L) over the slot layout of a Selection / bucket:
     tail tokens first (pi < 1, one_minus_pi > 0, within the first tail_slots), then head (pi = 1), then padding
@@ -309,12 +314,18 @@ def tail_diagnostics(
       n_tail     number of sampled tail tokens (the same for every query of a row)
       tail_max   largest tail weight
       head_mass  mass of the retained prompt head: prompt tokens with pi = 1 (p over [0, prefix) minus tail_mass)
+
+    tail_sums: (sum of p, sum of p^2) over the tail tokens, (..., T) each, when the caller has them already (the
+    deferred decode statistics get both from one matmul); None computes them here.
     """
     s = tail_slots
     tail = (one_minus_pi[..., :s] > 0).unsqueeze(-2).to(weights.dtype)  # (..., 1, s)
     pt = weights[..., :s] * tail
-    mass = pt.sum(-1)
-    sq = pt.square().sum(-1)
+    if tail_sums is None:
+        mass = pt.sum(-1)
+        sq = pt.square().sum(-1)
+    else:
+        mass, sq = tail_sums
     ess = torch.where(sq > 0, mass.square() / sq.clamp_min(torch.finfo(sq.dtype).tiny), torch.zeros_like(sq))
     n_tail = tail.sum(-1).expand_as(mass)
     prefix_mass = weights[..., : (weights.shape[-1] if prefix is None else prefix)].sum(-1)

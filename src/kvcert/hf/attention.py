@@ -415,7 +415,6 @@ class Bucket:
             inverse_omp = torch.where(omp > 0, 1 / omp.clamp_min(torch.finfo(omp.dtype).tiny), torch.zeros_like(omp))
             self._stacked = {
                 "omp": omp,
-                "tail": tail,
                 # [tail indicator, ||v||^2, 1 / (1 - pi) on the tail]: the columns of flush_stats' one tail matmul
                 "tail_columns": torch.cat([tail, value_sq_norms.unsqueeze(-1), inverse_omp.unsqueeze(-1)], -1),
             }
@@ -447,9 +446,7 @@ class Bucket:
             error = oracle_errors([self])[0]
         if error is not None:
             step["error"] = error.reshape(shape)
-        if not self._pending_variance:
-            step["tail_mass"] = (p[..., :s] @ stk["tail"]).reshape(shape)
-        else:
+        if self._pending_variance:
             # every tail sum in one matmul over [p; a] (a = (1 - pi) p^2): p @ tail = tail mass, a @ ||v||^2,
             # a @ tail = sum a, a @ (1 / (1 - pi) on the tail) = sum of p^2 over the tail (Kish's denominator)
             sums = self._rows[..., : 2 * g, :s] @ stk["tail_columns"]  # (layers, B, Hkv, 2 group, 3)
@@ -460,23 +457,15 @@ class Bucket:
             step["tail_mass"] = mass.reshape(shape)
             undefined = ~self.certificate_rows[None, :, None]
             step["variance"] = variance.reshape(shape).masked_fill(undefined, float("nan"))
-            # core.certificate.tail_diagnostics from the sums above (head mass: the prompt's p minus the tail's)
-            tail_row = stk["tail_columns"][..., 0].unsqueeze(-2)  # (layers, B, Hkv, 1, s)
-            diag = {
-                "ess_tail": torch.where(
-                    p_sq > 0, mass.square() / p_sq.clamp_min(torch.finfo(p_sq.dtype).tiny), torch.zeros_like(p_sq)
-                ),
-                "n_tail": tail_row.sum(-1).expand_as(mass),
-                "tail_max": (p[..., :s] * tail_row).amax(-1) if s > 0 else torch.zeros_like(mass),
-                "head_mass": (p[..., : buf.prefix].sum(-1) - mass).clamp_min(0),
-            }
+            diag = tail_diagnostics(p, stk["omp"], tail_slots=s, prefix=buf.prefix, tail_sums=(mass, p_sq))
             diag["trace_c2"] = torch.zeros_like(variance) if trace_c2 else torch.full_like(variance, torch.nan)
             if s and trace_c2:
                 diag["trace_c2"] = self._trace_c2_stacked(p, out, variance, refresh, g, s)
             for name in CERTIFICATE_STATS:
                 step[name] = diag[name].reshape(shape).masked_fill(undefined, float("nan"))
             return step
-        if certificate:
+        step["tail_mass"] = (p[..., :s] @ stk["tail_columns"][..., :1]).reshape(shape)
+        if certificate:  # a bucket without certificate rows: undefined, never zero
             nan = torch.full(shape, float("nan"), device=p.device)
             step.update({name: nan for name in ("variance", *CERTIFICATE_STATS)})
         return step
