@@ -59,13 +59,14 @@ def summary(cells: pd.DataFrame) -> pd.DataFrame:
 
 def conformal(cells: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
     """Split-conformal multipliers (95% quantile of error / radius) fitted on half the examples, per radius, pooled
-    and per layer, with held-out coverage (both halves in turn)."""
+    and per layer, with held-out coverage (both halves in turn): pooled, worst layer, worst tail-mass bin."""
     ids = np.array(sorted(cells.example_id.unique()))
     np.random.default_rng(seed).shuffle(ids)
     halves = [set(ids[: len(ids) // 2]), set(ids[len(ids) // 2 :])]
     rows = []
     for k, fit_ids in enumerate(halves):
         fit, test = cells[cells.example_id.isin(fit_ids)], cells[~cells.example_id.isin(fit_ids)]
+        test_bins = pd.cut(test.tail_mass, TAIL_MASS_EDGES, right=False)
         for name, col in RADII.items():
             pooled = float(np.quantile(fit.error / fit[col], 0.95))
             per_layer = (fit.error / fit[col]).groupby(fit.layer).quantile(0.95)
@@ -79,6 +80,7 @@ def conformal(cells: pd.DataFrame, seed: int = 0) -> pd.DataFrame:
                         "value": pooled if how == "pooled" else float(per_layer.median()),
                         "heldout_coverage": covered.mean(),
                         "heldout_worst_layer": covered.groupby(test.layer).mean().min(),
+                        "heldout_worst_tail_mass_bin": covered.groupby(test_bins, observed=True).mean().min(),
                         "median_r_over_err": float((m * test[col] / test.error).median()),
                     }
                 )
