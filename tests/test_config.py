@@ -59,11 +59,22 @@ def test_folder_names_ignore_speed_switches_and_unset_optional_keys():
     assert result_name(compose(["+claim=c1_coverage", "decode.one_batch=false", "decode.drop_finished=false"])) == name
     fast = ["decode.stats_after_forward=true", "decode.keys_transposed=true"]
     assert result_name(compose(["+claim=c1_coverage", *fast])) == name
+    assert result_name(compose(["+claim=c1_coverage", *fast, "decode.fused_attention=true"])) == name
     assert decode_options(compose(fast)).stats_after_forward and decode_options(compose(fast)).keys_transposed
+    assert decode_options(compose([*fast, "decode.fused_attention=true"])).fused_attention
     kv = compose(["policy.grid=[{scorer: streaming, designs: [topk], compress_after: context}]"])
     plain = compose(["policy.grid=[{scorer: streaming, designs: [topk]}]"])
     assert result_name(kv) != result_name(plain)
     assert policies(kv)[1].compress_after == "context" and policies(plain)[1].compress_after == "prompt"
+
+
+def test_fused_attention_without_the_fast_path_or_on_cuda_is_one_line():
+    with pytest.raises(ConfigError, match="needs decode.stats_after_forward=true and decode.keys_transposed=true"):
+        validate(compose(["decode.fused_attention=true", "decode.keys_transposed=true"]))
+    fused = ["decode.fused_attention=true", "decode.stats_after_forward=true", "decode.keys_transposed=true"]
+    with pytest.raises(ConfigError, match="CPU kernel and device=cuda") as err:
+        validate(compose([*fused, "device=cuda"]))
+    assert "\n" not in str(err.value)
 
 
 def test_bad_protocol_combination_is_one_line():

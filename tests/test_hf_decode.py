@@ -145,12 +145,18 @@ def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_s
 
 
 @pytest.mark.parametrize(
-    "every, after_forward, transposed", [(1, True, False), (3, True, False), (1, False, True), (3, True, True)]
+    "every, after_forward, transposed, fused",
+    [(1, True, False, False), (3, True, False, False), (1, False, True, False), (3, True, True, False)]
+    + [(1, True, True, True), (3, True, True, True)],
 )
-def test_fast_switches_change_nothing_but_float_rounding(tiny_smol, monkeypatch, every, after_forward, transposed):
-    """decode.stats_after_forward / decode.keys_transposed: every statistic of every step (certificate, diagnostics,
-    tr(C^2) refreshed or carried, oracle error) equals the default path to float rounding, tokens and answers
-    exactly, with rows leaving the batch between steps; and the deferred path really ran when asked for."""
+def test_fast_switches_change_nothing_but_float_rounding(
+    tiny_smol, monkeypatch, every, after_forward, transposed, fused
+):
+    """decode.stats_after_forward / decode.keys_transposed / decode.fused_attention: every statistic of every step
+    (certificate, diagnostics, tr(C^2) refreshed or carried, oracle error) equals the default path to float
+    rounding, tokens and answers exactly, with rows leaving the batch between steps; and the deferred path and the
+    fused kernel really ran when asked for."""
+    from kvcert.hf import fused as fused_module
     from kvcert.hf.attention import Bucket
 
     model, tok = tiny_smol
@@ -176,9 +182,18 @@ def test_fast_switches_change_nothing_but_float_rounding(tiny_smol, monkeypatch,
         return flush(self, *args)
 
     monkeypatch.setattr(Bucket, "flush_stats", spy)
-    fast = replace(base, stats_after_forward=after_forward, keys_transposed=transposed)
+    kernel_calls = []
+    kernel = fused_module.decode_attention
+
+    def kernel_spy(*args, **kwargs):
+        kernel_calls.append(len(args[3]))  # buckets in the call
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fused_module, "decode_attention", kernel_spy)
+    fast = replace(base, stats_after_forward=after_forward, keys_transposed=transposed, fused_attention=fused)
     new = generate_variants(model, tok, prompt, policies, fast)
     assert bool(flushes) == after_forward, "the deferred path ran iff asked for"
+    assert bool(kernel_calls) == fused and (not fused or max(kernel_calls) > 1), "one kernel call for all buckets"
     assert any(r.n_answer < 8 for r in ref), "pick another stop string: some row must leave the batch"
     for a, b in zip(ref, new):
         assert (a.tokens[: a.n_answer + 1], a.n_answer, a.answer) == (b.tokens[: b.n_answer + 1], b.n_answer, b.answer)

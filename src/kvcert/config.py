@@ -15,7 +15,9 @@ from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
 # change speed, not records: left out of folder hashes
-SPEED_ONLY_KEYS = {"decode": ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed")}
+SPEED_ONLY_KEYS = {
+    "decode": ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed", "fused_attention")
+}
 # hashed only when not the default, so folders of earlier configs keep their names
 DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True, "tight_radius_every": 1}}
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
@@ -82,6 +84,7 @@ class DecodeConfig:
     drop_finished: bool = True  # speed only (not hashed): finished variants leave the batch
     stats_after_forward: bool = False  # speed only (not hashed): statistics of all layers at once after the forward
     keys_transposed: bool = False  # speed only (not hashed): keys stored (d, slots), q K^T a plain GEMM
+    fused_attention: bool = False  # speed only (not hashed): one compiled kernel per layer and step (CPU)
 
 
 @dataclass
@@ -154,6 +157,12 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"decode.tight_radius_every={cfg.decode.tight_radius_every} must be >= 1 (1 = tr(C^2) at every step)"
         )
+    if cfg.decode.fused_attention and not (cfg.decode.stats_after_forward and cfg.decode.keys_transposed):
+        raise ConfigError(
+            "decode.fused_attention=true needs decode.stats_after_forward=true and decode.keys_transposed=true"
+        )
+    if cfg.decode.fused_attention and not cfg.device.startswith("cpu"):
+        raise ConfigError(f"decode.fused_attention=true is a CPU kernel and device={cfg.device}; set it to false")
 
 
 def policies(cfg: DictConfig) -> list[Policy]:

@@ -176,6 +176,7 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
         drop_finished=d.drop_finished,
         stats_after_forward=d.stats_after_forward,
         keys_transposed=d.keys_transposed,
+        fused_attention=d.fused_attention,
     )
 
 

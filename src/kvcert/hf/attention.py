@@ -382,10 +382,7 @@ class Bucket:
         extra rows (the values are read once), and everything else is left to `flush_stats`."""
         bsz, n_kv, g, d = q.shape
         length, s = keys.shape[-2], buf.tail_slots
-        if self._rows is None:  # zeros: a stays 0 beyond the tail slots, which are never written
-            self._rows = q.new_zeros(len(self.layers), bsz, n_kv, 3 * g, buf.capacity)
-            self._out = q.new_empty(len(self.layers), bsz, n_kv, 2 * g, values.shape[-1])
-        rows, out = self._rows[layer], self._out[layer]
+        rows, out = (work[layer] for work in self.work_buffers(n_kv, g, values.shape[-1]))
         logits = (q @ keys.transpose(-1, -2)) * scale + offset.unsqueeze(-2)
         if mask is not None:
             logits = logits + mask
@@ -400,6 +397,27 @@ class Bucket:
         self._pending.append(layer)
         self._pending_variance = variance
         return out[..., :g, :]
+
+    def work_buffers(self, n_kv: int, g: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deferred path's work buffers, allocated at the first decode step: rows (layers, B, Hkv, 3g, slots)
+        = [p; a; (1 - pi) a^2] and out (layers, B, Hkv, 2g, d) = [o_hat; sum a v]."""
+        if self._rows is None:  # zeros: a stays 0 beyond the tail slots, which are never written
+            buf = self.layers[0]
+            self._rows = buf.values.new_zeros(len(self.layers), self.batch_size, n_kv, 3 * g, buf.capacity)
+            self._out = buf.values.new_empty(len(self.layers), self.batch_size, n_kv, 2 * g, d)
+        return self._rows, self._out
+
+    def fused_done(self, layer: int, q: torch.Tensor, scale: float, variance: bool) -> dict[str, torch.Tensor]:
+        """After `hf.fused.decode_attention` filled this bucket's work buffers for `layer`: the bookkeeping of
+        `attend(defer=True)` (what flush_stats and the oracle need), and its per-layer step statistics."""
+        self._pending.append(layer)
+        self._pending_variance = variance
+        if self.has_oracle and self._oracle_stacked is None:
+            return {"error": self._error(layer, q, self._out[layer][..., : q.shape[2], :], self.layers[layer], scale)}
+        if self.has_oracle:
+            self._queries.append(q)
+            self._scale = scale
+        return {}
 
     def _error(self, layer, q, out, buf, scale) -> torch.Tensor:
         """||o_hat - o|| per (row, query head): the estimate against the oracle's exact attention."""
@@ -592,6 +610,7 @@ class CompressedState:
         self.stats: StepStats | None = None  # set by the decoder around a step it wants statistics of
         self.position = 0  # absolute position of the next token (set by forward_with_state)
         self._defer = False  # DecodeOptions.stats_after_forward, where every bucket's layers allow it
+        self._fused = False  # DecodeOptions.fused_attention, where the deferred path and the key layout allow it
 
     @property
     def stats_after_forward(self) -> bool:
@@ -602,6 +621,22 @@ class CompressedState:
         """Per-step statistics for all layers at once after the forward (`finish_step`), not inside each layer;
         silently per layer on a model whose layers differ in slot layout (sliding-window layers)."""
         self._defer = bool(on) and all(b.uniform_layers for b in self.buckets)
+
+    @property
+    def fused_attention(self) -> bool:
+        return self._fused
+
+    @fused_attention.setter
+    def fused_attention(self, on: bool) -> None:
+        """Single-token steps with statistics through one compiled kernel per layer (`kvcert.hf.fused`); silently
+        the per-bucket path where the deferred statistics are off or the keys are not stored (d, slots)."""
+        layers = [buf for b in self.buckets for buf in b.layers]
+        self._fused = (
+            bool(on)
+            and self._defer
+            and all(buf.keys_transposed and buf.keys.dtype == torch.float32 for buf in layers)
+            and all(buf.keys.device.type == "cpu" for buf in layers)
+        )
 
     @property
     def batch_size(self) -> int:
@@ -636,6 +671,8 @@ class CompressedState:
         window: int | None = None,
     ) -> torch.Tensor:
         want = self.stats is not None
+        if self._fused and want and query.shape[-2] == 1 and window is None:
+            return self._attend_fused(layer, query, key, value, scale)
         outs, steps, start = [], [], 0
         for bucket in self.buckets:
             n = bucket.batch_size
@@ -663,6 +700,31 @@ class CompressedState:
                     steps[0][name] if len(steps) == 1 else torch.cat([st[name] for st in steps])
                 )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_fused(self, layer: int, query, key, value, scale: float) -> torch.Tensor:
+        """`attend` at a single-token step with deferred statistics, every bucket in one kernel call."""
+        from kvcert.hf import fused  # builds the C++ kernel on first use
+
+        bsz, n_q, _, d = query.shape
+        n_kv = key.shape[1]
+        q = query.reshape(bsz, n_kv, n_q // n_kv, d).float().contiguous()
+        variance = [self.compute_certificate and b.certified for b in self.buckets]
+        out = fused.decode_attention(
+            q,
+            key.reshape(bsz, n_kv, d).float().contiguous(),
+            value.reshape(bsz, n_kv, d).float().contiguous(),
+            self.buckets,
+            layer,
+            scale,
+            variance,
+        )
+        steps, start = [], 0
+        for bucket, var in zip(self.buckets, variance):
+            steps.append(bucket.fused_done(layer, q[start : start + bucket.batch_size], scale, var))
+            start += bucket.batch_size
+        for name in steps[0]:
+            getattr(self.stats, name).append(torch.cat([st[name] for st in steps]))
+        return out.reshape(bsz, n_q, 1, d).to(query.dtype)
 
     def finish_step(self) -> None:
         """After a forward with deferred statistics: every bucket's statistics of all layers, appended per layer to

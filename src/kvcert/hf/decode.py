@@ -9,7 +9,10 @@ The third, `stats_after_forward` (off by default, so the studies' records stay b
 statistics of all layers in one pass after the forward instead of inside each layer: the same formulas on stacked
 tensors, a few dozen kernels per step instead of a few dozen per layer and bucket; `keys_transposed` (off by
 default, same reason) stores the compressed keys as (d, slots), so that q K^T is a GEMM without a transposed
-operand (1.7-2x faster for this small-M shape with MKL on CPU).
+operand (1.7-2x faster for this small-M shape with MKL on CPU). The fifth, `fused_attention` (off by default; needs
+the two before it, CPU only), runs each layer's single-token step for every bucket as one compiled C++ kernel
+(`kvcert.hf.fused`, built on first use with the machine's C++ compiler and ninja) instead of a dozen torch ops per
+bucket; same statistics to float rounding.
 """
 
 from __future__ import annotations
@@ -52,8 +55,14 @@ class DecodeOptions:
     drop_finished: bool = True
     stats_after_forward: bool = False  # per-step statistics of all layers at once after the forward (fewer kernels)
     keys_transposed: bool = False  # compressed keys stored (d, slots): q K^T is a plain GEMM, ~1.7x faster on CPU
+    fused_attention: bool = False  # one compiled kernel per layer and step (CPU; needs the two switches above)
 
     def __post_init__(self) -> None:
+        if self.fused_attention and not (self.stats_after_forward and self.keys_transposed):
+            raise ValueError(
+                "fused_attention=True needs stats_after_forward=True and keys_transposed=True "
+                "(decode.stats_after_forward=true decode.keys_transposed=true)"
+            )
         if not isinstance(self.tight_radius_every, int) or self.tight_radius_every < 1:
             raise ValueError(f"tight_radius_every={self.tight_radius_every!r} must be an integer >= 1")
 
@@ -136,6 +145,9 @@ def decode_batch(
     state.compute_certificate = options.certificate
     state.compute_trace_c2 = options.tight_radius
     state.stats_after_forward = options.stats_after_forward
+    if options.fused_attention and dev.type != "cpu":
+        raise ValueError(f"decode.fused_attention=true is a CPU kernel, the model runs on {dev}: set it to false")
+    state.fused_attention = options.fused_attention
     for step in range(options.max_new_tokens):
         for row in active:
             done[row] = done[row] or tokens[row][-1] in eos or stopped(tokens[row])

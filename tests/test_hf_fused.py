@@ -1,0 +1,124 @@
+"""The opt-in fused decode kernel (decode.fused_attention, kvcert/hf/fused.py) against an exact float64 computation of
+what it must produce, and its errors. The end-to-end check (every statistic equal to the default path's) is in
+tests/test_hf_decode.py::test_fast_switches_change_nothing_but_float_rounding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcert.hf import fused
+
+
+def _bucket(gen, rows, n_kv, d, capacity, length, tail_slots, oracle_capacity=0):
+    """Random buffers in the fast path's layout: keys (B, Hkv, d, capacity); offset -log pi on the tail, 0 on the
+    head, -inf on padding beyond `length`."""
+    keys = torch.randn(rows, n_kv, d, capacity, generator=gen)
+    values = torch.randn(rows, n_kv, capacity, d, generator=gen)
+    pi = torch.rand(rows, n_kv, tail_slots, generator=gen) * 0.9 + 0.05
+    offset = torch.zeros(rows, n_kv, capacity)
+    offset[..., :tail_slots] = -pi.log()
+    offset[..., length:] = float("-inf")
+    own = torch.zeros(rows, n_kv, oracle_capacity, d), torch.zeros(rows, n_kv, oracle_capacity, d)
+    return dict(keys=keys, values=values, offset=offset, omp=1 - pi, length=length, s=tail_slots, own=own)
+
+
+def _reference(q, new_k, new_v, b, scale):
+    """float64: the cache after appending, p, a = (1 - pi) p^2, o_hat, sum a v and V_hat by its definition."""
+    hi = b["length"] + 1
+    kt = b["keys"].double().clone()
+    v = b["values"].double().clone()
+    off = b["offset"].double().clone()
+    kt[..., b["length"]], v[:, :, b["length"]], off[..., b["length"]] = new_k.double(), new_v.double(), 0.0
+    p = torch.softmax(q.double() @ kt[..., :hi] * scale + off[:, :, None, :hi], -1)
+    s = b["s"]
+    a = b["omp"].double()[:, :, None, :] * p[..., :s] ** 2
+    o = p @ v[:, :, :hi]
+    av = a @ v[:, :, :s]
+    dev = v[:, :, None, :s, :] - o[:, :, :, None, :]  # (B, Hkv, g, s, d)
+    variance = (a * dev.square().sum(-1)).sum(-1)
+    return p, a, o, av, variance
+
+
+@pytest.mark.parametrize("group, d", [(3, 64), (2, 16), (8, 24)])
+def test_kernel_matches_exact_attention_and_certificate(group, d):
+    """Two buckets of different widths, one with the certificate's rows and an oracle part, one without: the cache
+    append, p, a, o_hat, sum a v and V_hat (from the work buffers, as flush_stats computes it) equal a float64
+    computation to float32 rounding."""
+    gen = torch.Generator().manual_seed(group * 100 + d)
+    n_kv, scale = 2, d**-0.5
+    buckets = [
+        _bucket(gen, 3, n_kv, d, capacity=40, length=33, tail_slots=20, oracle_capacity=6),
+        _bucket(gen, 2, n_kv, d, capacity=17, length=11, tail_slots=5),
+    ]
+    variance = [True, False]
+    bsz = 5
+    q = torch.randn(bsz, n_kv, group, d, generator=gen)
+    new_k, new_v = torch.randn(bsz, n_kv, d, generator=gen), torch.randn(bsz, n_kv, d, generator=gen)
+    refs, starts = [], [0, 3, 5]
+    for i, b in enumerate(buckets):
+        rows = slice(starts[i], starts[i + 1])
+        refs.append(_reference(q[rows], new_k[rows], new_v[rows], b, scale))
+    work = [torch.zeros(starts[i + 1] - starts[i], n_kv, 3 * group, b["keys"].shape[-1]) for i, b in enumerate(buckets)]
+    outs = [torch.full((starts[i + 1] - starts[i], n_kv, 2 * group, d), torch.nan) for i in range(2)]
+    result = torch.empty_like(q)
+    fused.kernel().decode_attention(
+        q, new_k, new_v,
+        [b["keys"] for b in buckets], [b["values"] for b in buckets], [b["offset"] for b in buckets],
+        [b["omp"] for b in buckets], work, outs,
+        [buckets[0]["own"][0], torch.empty(0)], [buckets[0]["own"][1], torch.empty(0)],
+        [b["length"] for b in buckets], [b["s"] for b in buckets], [2, 0], [int(v) for v in variance],
+        scale, result,
+    )  # fmt: skip
+    for i, (b, (p, a, o, av, var)) in enumerate(zip(buckets, refs)):
+        rows, hi, s, g = slice(starts[i], starts[i + 1]), b["length"] + 1, b["s"], group
+        assert torch.equal(b["keys"][..., hi - 1], new_k[rows]) and torch.equal(b["values"][:, :, hi - 1], new_v[rows])
+        assert (b["offset"][..., hi - 1] == 0).all()
+        torch.testing.assert_close(work[i][:, :, :g, :hi].double(), p, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(outs[i][:, :, :g].double(), o, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(result[rows].double(), o, rtol=1e-5, atol=1e-5)
+        if variance[i]:
+            torch.testing.assert_close(work[i][:, :, g : 2 * g, :s].double(), a, rtol=1e-5, atol=1e-7)
+            assert (work[i][:, :, g : 2 * g, s:] == 0).all(), "a stays zero beyond the tail"
+            torch.testing.assert_close(outs[i][:, :, g:].double(), av, rtol=1e-4, atol=1e-6)
+            # V_hat = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a, as flush_stats forms it from the buffers
+            v_sq = b["values"][:, :, :s].square().sum(-1)
+            a32, o32, av32 = work[i][:, :, g : 2 * g, :s], outs[i][:, :, :g], outs[i][:, :, g:]
+            v_hat = (a32 * v_sq[:, :, None]).sum(-1) - 2 * (o32 * av32).sum(-1) + o32.square().sum(-1) * a32.sum(-1)
+            torch.testing.assert_close(v_hat.double(), var, rtol=1e-4, atol=1e-6)
+        else:
+            assert torch.isnan(outs[i][:, :, g:]).all(), "no certificate rows: the kernel leaves them alone"
+    own_k, own_v = buckets[0]["own"]
+    assert torch.equal(own_k[:, :, 2], new_k[:3]) and torch.equal(own_v[:, :, 2], new_v[:3])
+    assert (own_k[:, :, [0, 1, 3]] == 0).all(), "the oracle part is written at its length only"
+
+
+def test_kernel_refuses_a_full_buffer():
+    gen = torch.Generator().manual_seed(0)
+    b = _bucket(gen, 1, 1, 8, capacity=4, length=4, tail_slots=2)
+    q, k = torch.randn(1, 1, 2, 8), torch.randn(1, 1, 8)
+    with pytest.raises(RuntimeError, match="KV buffer is full"):
+        fused.kernel().decode_attention(
+            q, k, k, [b["keys"]], [b["values"]], [b["offset"]], [b["omp"]], [torch.zeros(1, 1, 6, 4)],
+            [torch.zeros(1, 1, 4, 8)], [torch.empty(0)], [torch.empty(0)], [4], [2], [0], [1], 0.3, torch.empty_like(q),
+        )  # fmt: skip
+
+
+def test_a_kernel_that_cannot_build_says_how_to_go_on(tmp_path, monkeypatch):
+    bad = tmp_path / "decode_attention.cpp"
+    bad.write_text("this is not C++\n")
+    monkeypatch.setattr(fused, "SOURCE", bad)
+    fused.kernel.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match=r"could not build its C\+\+ kernel .*decode.fused_attention=false"):
+            fused.kernel()
+    finally:
+        fused.kernel.cache_clear()
+
+
+def test_fused_attention_needs_the_fast_path_switches():
+    from kvcert.hf import DecodeOptions
+
+    with pytest.raises(ValueError, match="needs stats_after_forward=True and keys_transposed=True"):
+        DecodeOptions(fused_attention=True, stats_after_forward=True)
+    assert DecodeOptions(fused_attention=True, stats_after_forward=True, keys_transposed=True).fused_attention
