@@ -145,18 +145,19 @@ def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_s
 
 
 @pytest.mark.parametrize(
-    "every, after_forward, transposed, fused",
-    [(1, True, False, False), (3, True, False, False), (1, False, True, False), (3, True, True, False)]
-    + [(1, True, True, True), (3, True, True, True)],
+    "every, after_forward, transposed, fused, packed",
+    [(1, True, False, False, False), (3, True, False, False, False), (1, False, True, False, True)]
+    + [(3, True, True, False, False), (1, True, True, True, False), (3, True, True, True, True)],
 )
 def test_fast_switches_change_nothing_but_float_rounding(
-    tiny_smol, monkeypatch, every, after_forward, transposed, fused
+    tiny_smol, monkeypatch, every, after_forward, transposed, fused, packed
 ):
-    """decode.stats_after_forward / decode.keys_transposed / decode.fused_attention: every statistic of every step
-    (certificate, diagnostics, tr(C^2) refreshed or carried, oracle error) equals the default path to float
-    rounding, tokens and answers exactly, with rows leaving the batch between steps; and the deferred path and the
-    fused kernel really ran when asked for."""
+    """decode.stats_after_forward / keys_transposed / fused_attention / packed_weights: every statistic of every
+    step (certificate, diagnostics, tr(C^2) refreshed or carried, oracle error) equals the default path to float
+    rounding, tokens and answers exactly, with rows leaving the batch between steps; and the deferred path, the
+    fused kernel and the packed linear layers really ran when asked for."""
     from kvcert.hf import fused as fused_module
+    from kvcert.hf import packed as packed_module
     from kvcert.hf.attention import Bucket
 
     model, tok = tiny_smol
@@ -190,8 +191,19 @@ def test_fast_switches_change_nothing_but_float_rounding(
         return kernel(*args, **kwargs)
 
     monkeypatch.setattr(fused_module, "decode_attention", kernel_spy)
-    fast = replace(base, stats_after_forward=after_forward, keys_transposed=transposed, fused_attention=fused)
+    packed_calls = []
+    packed_forward = packed_module._packed_forward
+
+    def packed_spy(self, x):
+        packed_calls.append(x.shape[0])
+        return packed_forward(self, x)
+
+    monkeypatch.setattr(packed_module, "_packed_forward", packed_spy)
+    switches = dict(stats_after_forward=after_forward, keys_transposed=transposed, fused_attention=fused)
+    fast = replace(base, packed_weights=packed, **switches)
     new = generate_variants(model, tok, prompt, policies, fast)
+    assert bool(packed_calls) == packed, "the packed linear layers ran iff asked for"
+    assert not any("forward" in vars(m) for m in model.modules()), "the model's own forwards are restored"
     assert bool(flushes) == after_forward, "the deferred path ran iff asked for"
     assert bool(kernel_calls) == fused and (not fused or max(kernel_calls) > 1), "one kernel call for all buckets"
     assert any(r.n_answer < 8 for r in ref), "pick another stop string: some row must leave the batch"

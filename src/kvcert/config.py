@@ -16,7 +16,14 @@ from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
 # change speed, not records: left out of folder hashes
 SPEED_ONLY_KEYS = {
-    "decode": ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed", "fused_attention")
+    "decode": (
+        "one_batch",
+        "drop_finished",
+        "stats_after_forward",
+        "keys_transposed",
+        "fused_attention",
+        "packed_weights",
+    )
 }
 # hashed only when not the default, so folders of earlier configs keep their names
 DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True, "tight_radius_every": 1}}
@@ -85,6 +92,7 @@ class DecodeConfig:
     stats_after_forward: bool = False  # speed only (not hashed): statistics of all layers at once after the forward
     keys_transposed: bool = False  # speed only (not hashed): keys stored (d, slots), q K^T a plain GEMM
     fused_attention: bool = False  # speed only (not hashed): one compiled kernel per layer and step (CPU)
+    packed_weights: bool = False  # speed only (not hashed): linear layers through MKL's packed GEMM (CPU)
 
 
 @dataclass

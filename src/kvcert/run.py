@@ -177,6 +177,7 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
         stats_after_forward=d.stats_after_forward,
         keys_transposed=d.keys_transposed,
         fused_attention=d.fused_attention,
+        packed_weights=d.packed_weights,
     )
 
 
