@@ -234,6 +234,7 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "certificate, fast path",
         "certificate+oracle, fast path",
         "certificate, fast path, tight radius every 8",
+        "certificate+oracle, fast path in torch ops",
     }
     for key in (
         "certificate_overhead_no_tight",
@@ -242,6 +243,7 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "certificate_overhead_fast_tight_every8",
         "certificate_overhead_vs_default_plain",
         "fast_path_speedup",
+        "kernel_speedup",
         "roofline_multiple_default_path",
     ):
         assert _positive(data[key]), key

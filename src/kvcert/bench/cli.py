@@ -99,6 +99,7 @@ def run_bench(
     ):
         res[key] = ratio(config, "plain")
     res["fast_path_speedup"] = ratio("certificate+oracle", "certificate+oracle, fast path")
+    res["kernel_speedup"] = ratio("certificate+oracle, fast path in torch ops", "certificate+oracle, fast path")
     res["oracle_overhead"] = ratio("certificate+oracle", "certificate")
     res["oracle_vs_plain"] = d["certificate+oracle"]["step_s"] / d["plain"]["step_s"]
     res["scaling"] = scaling_exponents(res["prefill"])
@@ -231,6 +232,14 @@ def main(argv=None) -> int:
         bench_integration(args.model, args.device, dtype, Path(args.out), log=lambda m: print(m, flush=True))
         print((Path(args.out) / f"integration_{torch.device(args.device).type}.md").read_text())
         return 0
+    if args.device == "cpu":  # the fast path's compiled kernel: build it now, or say why it cannot be
+        from kvcert.hf import fused
+
+        try:
+            fused.kernel()
+        except RuntimeError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     model, tok = load(args.model, args.device, dtype)
     res = run_bench(
         model,

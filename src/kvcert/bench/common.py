@@ -17,8 +17,18 @@ SCORERS = ("window_question", "window_context", "streaming")
 DESIGNS = ("topk", "randomized")
 BUDGETS = (0.25, 0.5, 0.75, 0.9)
 # DecodeOptions fields the before/after comparison toggles: the first two must exist, the others where they do
-AFTER_FIELDS = ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed")
-FAST_PATH = dict(stats_after_forward=True, keys_transposed=True)  # the opt-in fast decode (README, Performance)
+AFTER_FIELDS = (
+    "one_batch",
+    "drop_finished",
+    "stats_after_forward",
+    "keys_transposed",
+    "fused_attention",
+    "packed_weights",
+)
+# the opt-in fast decode (README, Performance): deferred statistics and (d, slots) keys in torch ops ...
+TORCH_FAST_PATH = dict(stats_after_forward=True, keys_transposed=True)
+# ... plus the compiled per-layer attention kernel and MKL-packed linear layers: every speed switch on
+FAST_PATH = dict(TORCH_FAST_PATH, fused_attention=True, packed_weights=True)
 
 
 @dataclass(frozen=True)
@@ -168,6 +178,8 @@ def run_generate(model, ids, qs, policies, opts, device, tokenizer=None):
     """(total seconds, seconds per decode step of the whole variant set, results)."""
     from kvcert.hf import Prompt, generate_variants
 
+    if torch.device(device).type != "cpu" and getattr(opts, "fused_attention", False):
+        opts = dataclasses.replace(opts, fused_attention=False, packed_weights=False)  # CPU-only switches
     timer = StepTimer(device)
     sync(device)
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import torch
 
 from kvcert.bench.common import (
     FAST_PATH,
+    TORCH_FAST_PATH,
     before_after_options,
     median,
     policy_grid,
@@ -27,13 +28,15 @@ DECODE_CONFIGS = {
     # the certificate's parts: V_hat + diagnostics without tr(C^2); tr(C^2) refreshed every 8th step
     "certificate, no tight radius": dict(certificate=True, oracle=False, tight_radius=False),
     "certificate, tight radius every 8": dict(certificate=True, oracle=False, tight_radius_every=8),
-    # the opt-in fast path (decode.stats_after_forward + decode.keys_transposed): same records to float rounding
+    # the opt-in fast path (every speed switch, common.FAST_PATH): same records to float rounding
     "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
     "certificate, fast path": dict(certificate=True, oracle=False, **FAST_PATH),
     "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
     "certificate, fast path, tight radius every 8": dict(
         certificate=True, oracle=False, tight_radius_every=8, **FAST_PATH
     ),
+    # the fast path in torch ops only (no compiled kernel, no packed weights): what the kernel and packing add
+    "certificate+oracle, fast path in torch ops": dict(certificate=True, oracle=True, **TORCH_FAST_PATH),
 }
 
 
