@@ -18,19 +18,25 @@ def _model():
 
 
 @pytest.mark.skipif(not packed.available(), reason="this torch build has no MKL packed GEMM")
-def test_packed_linears_equal_f_linear_and_are_restored():
+def test_packed_linears_equal_f_linear_and_are_restored(monkeypatch):
     m = _model()
-    x = torch.randn(7, 3, 16)
+    x = torch.randn(7, 3, 16)  # 21 rows
+    calls = []
+    mkl_linear = packed._mkl_linear
+    monkeypatch.setattr(packed, "_mkl_linear", lambda flat, *a: calls.append(flat.shape[0]) or mkl_linear(flat, *a))
     with torch.no_grad():
         ref = m[:3](x)
-        with packed.packed_linears(m, rows=7):
+        with packed.packed_linears(m, rows=21):
             assert [hasattr(layer, "_kvcert_packed") for layer in m] == [True, False, True, False], "float32 only"
             out = m[:3](x)
-            solo = m[:3](x[:1])  # fewer rows than the hint
+            padded = m[:3](x[:5])  # fewer rows than packed for: zero-padded up to them
+            solo = m[:3](x[:1])  # under half of them: F.linear
+    assert calls == [21, 21, 21, 21], "21 rows, then 15 padded to 21; 3 rows (under half) take F.linear"
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(padded, ref[:5], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(solo, ref[:1], rtol=1e-6, atol=1e-6)
     assert not any("forward" in vars(layer) or hasattr(layer, "_kvcert_packed") for layer in m)
-    assert packed.packed_weights(m, 7) is packed.packed_weights(m, 7), "built once per hint"
+    assert packed.packed_weights(m, 21) is packed.packed_weights(m, 21), "built once per row count"
 
 
 def test_without_mkl_the_switch_warns_and_does_nothing(monkeypatch, caplog):
