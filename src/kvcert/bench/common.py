@@ -11,20 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kvcert.config import SPEED_ONLY_KEYS
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUESTION_TOKENS = 40
 SCORERS = ("window_question", "window_context", "streaming")
 DESIGNS = ("topk", "randomized")
 BUDGETS = (0.25, 0.5, 0.75, 0.9)
 # DecodeOptions fields the before/after comparison toggles: the first two must exist, the others where they do
-AFTER_FIELDS = (
-    "one_batch",
-    "drop_finished",
-    "stats_after_forward",
-    "keys_transposed",
-    "fused_attention",
-    "packed_weights",
-)
+AFTER_FIELDS = SPEED_ONLY_KEYS["decode"]  # every speed-only decode switch
 # the opt-in fast decode (README, Performance): deferred statistics and (d, slots) keys in torch ops ...
 TORCH_FAST_PATH = dict(stats_after_forward=True, keys_transposed=True)
 # ... plus the compiled per-layer attention kernel and MKL-packed linear layers: every speed switch on

@@ -351,13 +351,7 @@ class Bucket:
         if certify and defer:
             variance = certificate and self.certified
             out = self._attend_deferred(layer, q, keys, values, offset, scale, mask, variance, buf)
-            step = {}
-            if self.has_oracle and self._oracle_stacked is None:
-                step["error"] = self._error(layer, q, out, buf, scale)
-            elif self.has_oracle:  # the error of every layer after the forward (`oracle_errors`)
-                self._queries.append(q)
-                self._scale = scale
-            return out.reshape(bsz, n_q, t, d).to(query.dtype), step
+            return out.reshape(bsz, n_q, t, d).to(query.dtype), self.deferred_done(layer, q, scale, variance)
         res = hajek_attention(
             q,
             keys,
@@ -394,8 +388,6 @@ class Bucket:
             torch.matmul(rows[..., : 2 * g, :length], values, out=out)
         else:
             torch.matmul(p, values, out=out[..., :g, :])
-        self._pending.append(layer)
-        self._pending_variance = variance
         return out[..., :g, :]
 
     def work_buffers(self, n_kv: int, g: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -407,9 +399,10 @@ class Bucket:
             self._out = buf.values.new_empty(len(self.layers), self.batch_size, n_kv, 2 * g, d)
         return self._rows, self._out
 
-    def fused_done(self, layer: int, q: torch.Tensor, scale: float, variance: bool) -> dict[str, torch.Tensor]:
-        """After `hf.fused.decode_attention` filled this bucket's work buffers for `layer`: the bookkeeping of
-        `attend(defer=True)` (what flush_stats and the oracle need), and its per-layer step statistics."""
+    def deferred_done(self, layer: int, q: torch.Tensor, scale: float, variance: bool) -> dict[str, torch.Tensor]:
+        """After this bucket's work buffers for `layer` were filled (`_attend_deferred`, or `hf.fused` for every
+        bucket at once): what flush_stats and the oracle need, and the step statistics due now (the per-layer
+        oracle's error where the oracle prefix is not stacked; the stacked one runs after the forward)."""
         self._pending.append(layer)
         self._pending_variance = variance
         if self.has_oracle and self._oracle_stacked is None:
@@ -634,8 +627,10 @@ class CompressedState:
         self._fused = (
             bool(on)
             and self._defer
-            and all(buf.keys_transposed and buf.keys.dtype == torch.float32 for buf in layers)
-            and all(buf.keys.device.type == "cpu" for buf in layers)
+            and all(
+                buf.keys_transposed and buf.keys.dtype == torch.float32 and buf.keys.device.type == "cpu"
+                for buf in layers
+            )
         )
 
     @property
@@ -720,7 +715,7 @@ class CompressedState:
         )
         steps, start = [], 0
         for bucket, var in zip(self.buckets, variance):
-            steps.append(bucket.fused_done(layer, q[start : start + bucket.batch_size], scale, var))
+            steps.append(bucket.deferred_done(layer, q[start : start + bucket.batch_size], scale, var))
             start += bucket.batch_size
         for name in steps[0]:
             getattr(self.stats, name).append(torch.cat([st[name] for st in steps]))
