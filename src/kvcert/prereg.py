@@ -10,6 +10,10 @@ files, and the installed versions of the packages that compute or ship the data 
 model and text). Bytes are hashed as they are (no normalization), so any edit, including whitespace, is a
 deviation. A deviation is recorded by naming the file (or `package:<name>`) in the log section of the study's
 DEVIATIONS.md; verify reports whether every changed, missing or added item is named there.
+
+Every study is also checked against the pinned environment, `requirements.lock` (what `make install` installs
+exactly): verify names each package whose installed version differs from the lock, with the fix (`make install`),
+and fails unless --allow-environment-drift is given.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -28,6 +33,9 @@ LOCK_PATH = "preregistration/LOCK.json"
 DEVIATIONS_PATH = "preregistration/DEVIATIONS.md"
 LOCKED_FILES = ("preregistration/predictions.yaml", "preregistration/PREREGISTRATION.md")
 LOCKED_GLOBS = ("conf/claim/*.yaml", "src/kvcert/analysis/*.py")
+ENVIRONMENT_LOCK = (
+    "requirements.lock"  # the pinned environment (`make lock-deps` writes it, `make install` installs it)
+)
 LOG_HEADING = "## Log"  # only file names below this heading count as recorded (the template above it has examples)
 
 
@@ -100,6 +108,38 @@ def package_versions(study: str = "study1") -> dict[str, str | None]:
     return out
 
 
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503: Jinja2 == jinja2, pydantic_core == pydantic-core
+
+
+def pinned_environment(root: str | Path) -> dict[str, str]:
+    """{package: version} of every `name==version` line of requirements.lock (empty when there is none)."""
+    path = Path(root) / ENVIRONMENT_LOCK
+    if not path.is_file():
+        return {}
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if "==" in line and not line.startswith("-"):
+            name, version = line.split("==", 1)
+            pins[_normalized(name.strip())] = version.split(";", 1)[0].strip()
+    return pins
+
+
+def environment_mismatches(root: str | Path) -> list[str]:
+    """One line per package of requirements.lock whose installed version differs (or that is not installed)."""
+    out = []
+    for name, pinned in sorted(pinned_environment(root).items()):
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out.append(f"{name} not installed ({ENVIRONMENT_LOCK} pins {pinned})")
+            continue
+        if installed != pinned:
+            out.append(f"{name} {installed} installed, {ENVIRONMENT_LOCK} pins {pinned}")
+    return out
+
+
 def locked_files(root: str | Path, study: str = "study1") -> list[str]:
     """Relative paths (posix, sorted) of the files the lock covers that exist under root."""
     root, spec = Path(root), _study(study)
@@ -165,6 +205,7 @@ def verify(root: str | Path, study: str = "study1") -> dict:
             "added": [],
             "deviations_recorded": False,
             "unrecorded": [],
+            "environment": environment_mismatches(root),
         }
     record = json.loads(target.read_text())
     locked = record["files"]
@@ -183,6 +224,7 @@ def verify(root: str | Path, study: str = "study1") -> dict:
         "added": added,
         "deviations_recorded": all(recorded.values()),
         "unrecorded": [f for f, ok in recorded.items() if not ok],
+        "environment": environment_mismatches(root),
         "lock": {k: v for k, v in record.items() if k != "files"},
     }
 
@@ -206,6 +248,11 @@ def main(argv: list[str] | None = None) -> int:
         help="verify: accept deviations recorded in DEVIATIONS.md (the default; kept for old commands)",
     )
     parser.add_argument("--strict", action="store_true", help="verify: fail on any deviation, recorded or not")
+    parser.add_argument(
+        "--allow-environment-drift",
+        action="store_true",
+        help=f"verify: only warn when installed packages differ from {ENVIRONMENT_LOCK}",
+    )
     args = parser.parse_args(argv)
     root = args.root or _find_root(Path.cwd())
 
@@ -221,6 +268,14 @@ def main(argv: list[str] | None = None) -> int:
 
     res = verify(root, args.study)
     where = _study(args.study).lock_path
+    drift = res["environment"]
+    if drift:
+        shown = "; ".join(drift[:5]) + (f"; and {len(drift) - 5} more" if len(drift) > 5 else "")
+        msg = f"the environment differs from {ENVIRONMENT_LOCK}: {shown}"
+        if not args.allow_environment_drift:
+            print(f"error: {msg} (run `make install`: it installs {ENVIRONMENT_LOCK} exactly)", file=sys.stderr)
+            return 1
+        print(f"warning: {msg}; continuing (--allow-environment-drift)", file=sys.stderr)
     if res["status"] == "verified":
         print(f"pre-registration verified: {where} matches the tree")
         return 0

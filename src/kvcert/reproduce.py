@@ -3,13 +3,16 @@ scorecards.
 
     python -m kvcert.reproduce run --study all       # every claim experiment of each study, resumable; then T1
     python -m kvcert.reproduce publish --study all   # raw records -> results/<study>/published/ (committed)
+    python -m kvcert.reproduce publish --study all --regenerated   # -> results/<study>/regenerated/ (compared)
     python -m kvcert.reproduce analyze --study all   # claims, tables, figures, scorecards from the published records
     python -m kvcert.reproduce smoke                 # run + publish + analyze on a tiny profile (< 3 minutes)
     python -m kvcert.reproduce pilot                 # study 1's pilot (seeds 1000+)
 
-`make reproduce` runs the first three for both studies after the two lock checks; `make analyze` runs the third
-alone (no model, no raw steps: under a minute). With both studies analysed, `combine` writes the two-study
-scorecard results/scorecard.{json,md,html}; each study's own scorecard is in results/study1/ and results/study2/.
+`make reproduce` runs `run`, `publish --regenerated`, the comparison of the regenerated records with the published
+ones within the declared tolerances (kvcert.studies.regenerate full) and `analyze`, after the two lock checks;
+`make analyze` runs the last alone (no model, no raw steps: under a minute). With both studies analysed, `combine`
+writes the two-study scorecard results/scorecard.{json,md,html}; each study's own scorecard is in results/study1/
+and results/study2/.
 
 The claims, their order and their experiments come from the registry (kvcert.analysis.claims.registry: the ids of
 preregistration/predictions.yaml, each with the conf/claim/*.yaml naming it). Claim experiments that state the same
@@ -194,9 +197,11 @@ def _c1_entry(claims: dict):
     return entries[0]
 
 
-def publish(profile: str = "confirmatory", *, study: str = "study1") -> Path:
+def publish(profile: str = "confirmatory", *, study: str = "study1", into: Path | None = None) -> Path:
     """The study's published records (kvcert.studies.published) from its raw run folder: examples, the C1 cell
-    table, the C1 cells above z(0.95), meta.json -> <out>/published/."""
+    table, the C1 cells above z(0.95), meta.json -> <out>/published/, or `into` (`make reproduce` publishes a
+    regeneration into results/<study>/regenerated/ and compares it with the published records, which it never
+    overwrites: kvcert.studies.regenerate)."""
     from kvcert.analysis import accuracy
     from kvcert.studies import cells as cell_table
     from kvcert.studies import published
@@ -238,7 +243,7 @@ def publish(profile: str = "confirmatory", *, study: str = "study1") -> Path:
         "n_c1_cells": int(cells["n_cells"].sum()),
         "n_exceedances": int(len(exceed)),
     }
-    out = st["published"]
+    out = Path(into) if into is not None else st["published"]
     write_published(out, examples=examples, cells=cells, exceed=exceed, meta=meta)
     progress(
         f"{study}: published {meta['n_c1_cells']} C1 cells ({len(cells)} groups) -> {out}", st["out"] / "reproduce.log"
@@ -387,6 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="confirmatory", choices=sorted(PROFILES))
     parser.add_argument("--only", nargs="*", help="claim ids to run (default: all)")
     parser.add_argument("--study", default="study1", choices=[*STUDIES, "all"], help="default: study1")
+    parser.add_argument(
+        "--regenerated",
+        action="store_true",
+        help="publish: write results/<study>/regenerated/ (compared with the published records) instead",
+    )
     args = parser.parse_args(argv)
     studies = list(STUDIES) if args.study == "all" else [args.study]
     from kvcert.config import ConfigError
@@ -403,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command in ("run", "smoke"):
                 run_claims(profile, args.only, study=study)
             if args.command in ("publish", "smoke"):
-                publish(profile, study=study)
+                into = settings(study, profile)["scorecard"] / "regenerated" if args.regenerated else None
+                publish(profile, study=study, into=into)
             if args.command in ("analyze", "smoke"):
                 cards[study] = analyze(profile, study=study)
         if len(cards) == len(STUDIES):

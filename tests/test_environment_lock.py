@@ -1,0 +1,100 @@
+"""The pinned environment: requirements.lock pins what the studies locked and everything pyproject asks for, and
+`prereg verify` names every installed package that differs from it, with the fix."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from importlib import metadata
+from pathlib import Path
+
+from kvcert import prereg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _name(requirement: str) -> str:
+    return prereg._normalized(re.split(r"[<>=!~;\[ ]", requirement, maxsplit=1)[0])
+
+
+def test_lock_pins_the_versions_study2_locked():
+    pins = prereg.pinned_environment(ROOT)
+    locked = json.loads((ROOT / "preregistration/study2/LOCK.json").read_text())["packages"]
+    assert locked, "study 2's lock records package versions"
+    for package, version in locked.items():
+        assert pins[prereg._normalized(package)] == version, package
+
+
+def test_lock_pins_every_dependency_and_the_packaged_data():
+    pins = prereg.pinned_environment(ROOT)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = [*project["dependencies"], *project["optional-dependencies"]["test"]]
+    data = [line for line in (ROOT / "requirements/data.txt").read_text().splitlines() if "==" in line]
+    assert data, "requirements/data.txt names the packaged model and text"
+    missing = [r for r in [*wanted, *data] if _name(r) not in pins]
+    assert not missing, f"not pinned in requirements.lock: {missing}"
+    for line in data:  # the data's exact pins are carried over
+        name, version = line.split("==")
+        assert pins[prereg._normalized(name)] == version.strip()
+    assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in pins.values()), "every pin is an exact version"
+
+
+def test_constraints_agree_with_the_lock():
+    pins = prereg.pinned_environment(ROOT)
+    for line in (ROOT / "requirements/constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==")
+            assert pins[prereg._normalized(name)].split("+")[0] == version.strip(), name
+
+
+def _tree_with_lock(tmp_path: Path, lock_text: str) -> Path:
+    (tmp_path / "preregistration").mkdir()
+    (tmp_path / "preregistration/predictions.yaml").write_text("claims: {}\n")
+    (tmp_path / "preregistration/PREREGISTRATION.md").write_text("# plan\n")
+    (tmp_path / "requirements.lock").write_text(lock_text)
+    prereg.lock(tmp_path)
+    return tmp_path
+
+
+def test_mismatches_name_the_package_the_versions_and_absence(tmp_path):
+    numpy = metadata.version("numpy")
+    root = _tree_with_lock(
+        tmp_path,
+        f"# header\nnumpy=={numpy}\n    # via pandas\npandas==0.0.1\nno-such-package-kvcert==1.0\n--no-deps\n",
+    )
+    assert prereg.pinned_environment(root) == {"numpy": numpy, "pandas": "0.0.1", "no-such-package-kvcert": "1.0"}
+    drift = prereg.environment_mismatches(root)
+    assert drift == [
+        "no-such-package-kvcert not installed (requirements.lock pins 1.0)",
+        f"pandas {metadata.version('pandas')} installed, requirements.lock pins 0.0.1",
+    ]
+    assert prereg.verify(root)["environment"] == drift
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcert.prereg", *args], capture_output=True, text=True)
+
+
+def test_verify_refuses_a_drifted_environment_with_the_fix(tmp_path):
+    root = _tree_with_lock(tmp_path, "pandas==0.0.1\n")
+    refused = _cli("verify", "--root", str(root))
+    assert refused.returncode == 1
+    line = refused.stderr.strip()
+    assert len(line.splitlines()) == 1
+    assert "pandas" in line and "requirements.lock pins 0.0.1" in line and "make install" in line
+    allowed = _cli("verify", "--root", str(root), "--allow-environment-drift")
+    assert allowed.returncode == 0 and allowed.stderr.startswith("warning:")
+
+
+def test_matching_environment_passes(tmp_path):
+    root = _tree_with_lock(tmp_path, f"pandas=={metadata.version('pandas')}\n")
+    assert prereg.environment_mismatches(root) == []
+    assert _cli("verify", "--root", str(root)).returncode == 0
+
+
+def test_this_checkout_matches_its_lock():
+    """make install / CI install requirements.lock exactly; a mismatch here means the install step drifted."""
+    assert prereg.environment_mismatches(ROOT) == []
