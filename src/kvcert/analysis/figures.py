@@ -20,7 +20,8 @@ def _save(fig: plt.Figure, out_dir: str | Path, name: str) -> Path:
     path = Path(out_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # no Software (matplotlib version) entry: the PNG's bytes depend on the data alone
+    fig.savefig(path, dpi=110, metadata={"Software": None})
     plt.close(fig)
     return path
 

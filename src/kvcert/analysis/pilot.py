@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvcert.analysis.scorecard import round_frame
+
 
 def pilot_summary(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     """One row per variant: accuracy, full-cache accuracy, certificate score, relative error, n, coverage."""
@@ -36,10 +38,12 @@ def _has_tabulate() -> bool:
 
 
 def write_pilot_summary(table: pd.DataFrame, out: str | Path) -> dict[str, Path]:
-    """out/summary.csv and out/summary.md (a Markdown table when tabulate is installed, plain text otherwise)."""
+    """out/summary.csv and out/summary.md (a Markdown table when tabulate is installed, plain text otherwise), floats
+    rounded by round_frame."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "summary.csv", "md": out / "summary.md"}
+    table = round_frame(table)  # floats to 10 significant digits: the same bytes on any CPU
     table.to_csv(paths["csv"], index=False)
     text = table.to_markdown(index=False, floatfmt=".3f") if _has_tabulate() else table.to_string(index=False)
     paths["md"].write_text(text + "\n")

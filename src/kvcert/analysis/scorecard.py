@@ -9,6 +9,7 @@ import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pandas as pd
@@ -16,10 +17,29 @@ import pandas as pd
 from kvcert.analysis.claims import ClaimResult, claim_ids
 
 ROW_KEYS = ("id", "claim", "prediction", "observed", "ci", "verdict", "paper_verdict", "agrees_with_paper")
+# Every float the analysis writes (JSON, CSV, Markdown, HTML) carries this many significant digits: the last bits of
+# a sum depend on the CPU's summation order, and the written files must be byte-identical on any machine.
+SIGNIFICANT_DIGITS = 10
+
+
+def round_float(x: float) -> float:
+    """x to SIGNIFICANT_DIGITS significant digits (24.361111111111107 and 24.36111111111111 -> 24.36111111);
+    NaN and inf pass through."""
+    return float(f"{float(x):.{SIGNIFICANT_DIGITS}g}")
+
+
+def round_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy of df with every float column rounded by round_float (as float64), for the CSV and Markdown tables."""
+    out = df.copy()
+    for col in out.columns:
+        if pd.api.types.is_float_dtype(out[col].dtype):
+            out[col] = np.array([round_float(v) for v in out[col].to_numpy(np.float64)], dtype=np.float64)
+    return out
 
 
 def jsonable(obj: object) -> object:
-    """Plain JSON types only: numpy scalars and arrays, DataFrames and Paths converted; NaN/inf -> None."""
+    """Plain JSON types only: numpy scalars and arrays, DataFrames and Paths converted; floats rounded by
+    round_float; NaN/inf -> None."""
     if isinstance(obj, Mapping):
         return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, pd.DataFrame):
@@ -31,7 +51,7 @@ def jsonable(obj: object) -> object:
     if isinstance(obj, (np.integer, int)):
         return int(obj)
     if isinstance(obj, (np.floating, float)):
-        return float(obj) if math.isfinite(float(obj)) else None
+        return round_float(obj) if math.isfinite(float(obj)) else None
     if isinstance(obj, Path):
         return str(obj)
     if obj is None or isinstance(obj, str):
@@ -69,7 +89,9 @@ def _fmt(x: object, unit: str = "") -> str:
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "n/a"
     if isinstance(x, float):
-        return f"{x:.1f}" if unit == "points" else f"{x:.3f}"
+        digits = 1 if unit == "points" else 3
+        # from the rounded value, as in the JSON; + 0.0 so that a zero up to summation noise never prints as -0.0
+        return f"{round(round_float(x), digits) + 0.0:.{digits}f}"
     return str(x)
 
 
@@ -146,7 +168,8 @@ def write_scorecard(scorecard: dict, out_dir: str | Path, figures: list[Path]) -
     out.mkdir(parents=True, exist_ok=True)
     rel = [Path(os.path.relpath(Path(f).resolve(), out.resolve())).as_posix() for f in figures]
     paths = {"json": out / "scorecard.json", "md": out / "scorecard.md", "html": out / "scorecard.html"}
-    paths["json"].write_text(json.dumps(jsonable(scorecard), indent=2, allow_nan=False) + "\n")
-    paths["md"].write_text(scorecard_markdown(scorecard))
-    paths["html"].write_text(scorecard_html(scorecard, rel))
+    rounded = cast(dict, jsonable(scorecard))  # rounded once: the Markdown and HTML show the JSON's numbers
+    paths["json"].write_text(json.dumps(rounded, indent=2, allow_nan=False) + "\n")
+    paths["md"].write_text(scorecard_markdown(rounded))
+    paths["html"].write_text(scorecard_html(rounded, rel))
     return paths

@@ -9,6 +9,7 @@ import pandas as pd
 
 from kvcert.analysis.accuracy import accuracy_vs_budget
 from kvcert.analysis.coverage import calibration_curve, coverage_table, steps_for
+from kvcert.analysis.scorecard import round_frame
 
 
 def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, n_boot: int) -> list[Path]:
@@ -16,9 +17,12 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
     tables = Path(out) / "tables"
     tables.mkdir(parents=True, exist_ok=True)
     written = []
-    acc = accuracy_vs_budget(examples, n_boot=n_boot)
-    acc.to_csv(tables / "accuracy_vs_budget.csv", index=False)
-    written.append(tables / "accuracy_vs_budget.csv")
+
+    def write(df: pd.DataFrame, name: str) -> None:  # floats rounded (round_frame): the same bytes on any CPU
+        round_frame(df).to_csv(tables / name, index=False)
+        written.append(tables / name)
+
+    write(accuracy_vs_budget(examples, n_boot=n_boot), "accuracy_vs_budget.csv")
     summary = (
         examples.groupby(["scorer", "design", "budget"], dropna=False)
         .agg(
@@ -32,8 +36,7 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
         )
         .reset_index()
     )
-    summary.to_csv(tables / "variants.csv", index=False)
-    written.append(tables / "variants.csv")
+    write(summary, "variants.csv")
     if steps is not None and len(steps):
         s = steps_for(examples, steps)
         meta = examples.drop_duplicates("variant").set_index("variant")[["design", "scorer", "budget"]]
@@ -41,10 +44,8 @@ def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, 
         cert = s[np.isfinite(s.variance)]
         for by in (["design", "scorer", "budget"], ["design", "layer"], ["design", "budget", "layer"]):
             name = "coverage_by_" + "_".join(by) + ".csv"
-            coverage_table(cert, by=by, n_boot=min(n_boot, 200)).to_csv(tables / name, index=False)
-            written.append(tables / name)
+            write(coverage_table(cert, by=by, n_boot=min(n_boot, 200)), name)
         calib = [calibration_curve(g).assign(design=d) for d, g in cert.groupby("design")]
         if calib:
-            pd.concat(calib).to_csv(tables / "calibration_by_design.csv", index=False)
-            written.append(tables / "calibration_by_design.csv")
+            write(pd.concat(calib), "calibration_by_design.csv")
     return written

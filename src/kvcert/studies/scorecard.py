@@ -19,6 +19,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import cast
 
 from kvcert.analysis.scorecard import _fmt, jsonable, lock_line
 
@@ -336,7 +337,8 @@ def write_combined(card: dict, out_dir: str | Path, figures: list[Path]) -> dict
     out.mkdir(parents=True, exist_ok=True)
     rel = [Path(os.path.relpath(Path(f).resolve(), out.resolve())).as_posix() for f in figures]
     paths = {"json": out / "scorecard.json", "md": out / "scorecard.md", "html": out / "scorecard.html"}
-    paths["json"].write_text(json.dumps(jsonable(card), indent=2, allow_nan=False) + "\n")
-    paths["md"].write_text(combined_markdown(card))
-    paths["html"].write_text(combined_html(card, rel))
+    rounded = cast(dict, jsonable(card))  # rounded once: the Markdown and HTML show the JSON's numbers
+    paths["json"].write_text(json.dumps(rounded, indent=2, allow_nan=False) + "\n")
+    paths["md"].write_text(combined_markdown(rounded))
+    paths["html"].write_text(combined_html(rounded, rel))
     return paths
