@@ -7,9 +7,10 @@ import json
 import re
 import subprocess
 import sys
-import tomllib
 from importlib import metadata
 from pathlib import Path
+
+import tomllib
 
 from kvcert import prereg
 

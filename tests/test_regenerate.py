@@ -45,7 +45,8 @@ def test_splice_replaces_exactly_the_regenerated_examples():
     out = R.splice(pub, regen)
     ex = out["examples"]
     assert len(ex) == 6 and ex.loc[(ex.example_id == "e1") & (ex.variant == "full"), "answer"].tolist() == ["7"]
-    assert sorted(out["cells"]["n_cells"]) == [3, 5] and isinstance(out["cells"]["example_id"].dtype, pd.CategoricalDtype)
+    assert sorted(out["cells"]["n_cells"]) == [3, 5]
+    assert isinstance(out["cells"]["example_id"].dtype, pd.CategoricalDtype)
     assert sorted(out["exceedances"]["error"]) == [1.0, 9.0]
 
 
