@@ -3,12 +3,14 @@ on a shared machine are noise), the byte / flop accounting of the roofline again
 decode-step timer driven by generate_variants' on_step callback, and the before / after options."""
 
 import dataclasses
+import itertools
 import json
-import math
 import statistics
 
 import pytest
+import torch
 
+from conftest import needs_cxx
 from kvcert.bench import ModelShape, StepTimer, VariantLoad, main, policy_grid, step_cost
 from kvcert.bench.common import BenchConfig, before_after_options, no_eos, run_generate, synthetic_prompt
 from kvcert.bench.measure import bench_examples
@@ -16,8 +18,9 @@ from kvcert.bench.roofline import limit, measure_bandwidth, measure_matmul
 from kvcert.hf import tiny_random_model
 
 
-def _positive(x):
-    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+def _plausible_bandwidth(bps):
+    """Bytes per second of any machine's memory: 100 MB/s .. 10 TB/s (a wrong unit misses by 8x or 1e6x)."""
+    return 1e8 < bps < 1e13
 
 
 def test_policy_grid_is_realistic_and_prefix_stable():
@@ -82,11 +85,21 @@ def test_step_cost_by_hand():
     assert lim["bound"] == ("memory" if full["bytes"] >= full["flops"] else "compute")
 
 
-def test_machine_measurements_are_positive():
+def test_machine_measurements_are_bytes_and_flops_over_the_best_time(monkeypatch):
+    import kvcert.bench.roofline as roofline
+
     bw = measure_bandwidth(mb=8, reps=2)
-    assert _positive(bw["read_Bps"]) and _positive(bw["copy_Bps"]) and bw["bandwidth_Bps"] == bw["read_Bps"]
+    assert _plausible_bandwidth(bw["read_Bps"]) and _plausible_bandwidth(bw["copy_Bps"])
+    assert bw["bandwidth_Bps"] == bw["read_Bps"] and bw["threads"] == torch.get_num_threads()
     mm = measure_matmul(4, 64, 128, reps=2, min_s=0.001)
-    assert _positive(mm["flops_per_s"]) and mm["m"] == 4
+    assert (mm["m"], mm["k"], mm["n"]) == (4, 64, 128) and 1e6 < mm["flops_per_s"] < 1e14
+    # on a clock that advances 0.25 s per reading, every timed section lasts 0.25 s: the numbers are exact
+    ticks = itertools.count()
+    monkeypatch.setattr(roofline.time, "perf_counter", lambda: 0.25 * next(ticks))
+    bw = measure_bandwidth(mb=8, reps=2)
+    assert bw["read_Bps"] == 8 * 2**20 / 0.25 and bw["copy_Bps"] == 2 * 8 * 2**20 / 0.25  # read; read + write
+    mm = measure_matmul(4, 64, 128, reps=2, min_s=0.001)
+    assert mm["flops_per_s"] == 2 * 4 * 64 * 128 / 0.25
 
 
 # ---------------------------------------------------------------------------------------------- timing hook
@@ -121,7 +134,9 @@ def test_on_step_is_called_after_every_decode_forward():
     loops = [list(range(4))] * calls.count(0)
     assert calls == [s for loop in loops for s in loop] and len(loops) in (1, 2)  # one batch, or aware + agnostic
     total, step, res = run_generate(model, ids, qs, policies, DecodeOptions(max_new_tokens=4), "cpu")
-    assert _positive(total) and _positive(step) and len(res) == 3
+    # step: the mean interval between consecutive on_step calls (3 per loop of 4 steps), all inside the total
+    assert 0 < 3 * step <= total
+    assert [r.policy for r in res] == policies
 
 
 def test_before_after_options():
@@ -151,18 +166,24 @@ def test_before_after_options():
 
 
 # ---------------------------------------------------------------------------------------------- end to end
+@needs_cxx  # "after" turns every speed switch on, the compiled kernel included
 def test_examples_section_on_real_confirmatory_examples(tiny_smol):
     model, tok = tiny_smol
     cfg = BenchConfig(example_tasks=2, example_lengths=(400,), example_per_cell=1, example_reps=1)
     out = bench_examples(model, tok, cfg, "cpu", lambda m: None)
     assert out["variants"] == 21 and out["examples"] == 2 and len(out["tasks"]) == 2
-    assert _positive(out["before"]["seconds_per_example"]) and _positive(out["before"]["examples_per_hour"])
-    if out["available_after"]:
-        assert _positive(out["example_speedup"]) and _positive(out["after"]["seconds_per_example"])
-    else:
-        assert out["example_speedup"] is None and out["after"] is None
+    assert out["available_after"]  # today's DecodeOptions has every speed switch
+    seconds = {m: [r["seconds"] for r in out["rows"] if r["mode"] == m] for m in ("before", "after")}
+    assert len(seconds["before"]) == len(seconds["after"]) == 2
+    for mode in ("before", "after"):
+        assert out[mode]["seconds_per_example"] == pytest.approx(statistics.fmean(seconds[mode]))
+        assert out[mode]["examples_per_hour"] == pytest.approx(3600 / out[mode]["seconds_per_example"])
+        assert out[mode]["median_s"] == pytest.approx(statistics.median(seconds[mode]))
+    assert out["example_speedup"] == pytest.approx(sum(seconds["before"]) / sum(seconds["after"]))
+    assert out["answers_identical"] == 1.0  # the speed switches change no answer
 
 
+@needs_cxx  # the DecodeOptions' own speed switches are toggled too, the compiled kernel included
 def test_examples_section_measures_after_when_options_have_the_fields(monkeypatch):
     """With a DecodeOptions that has one_batch / drop_finished (the lead's interface), both modes run interleaved and
     example_speedup is their ratio; today's decode ignores the fields, so the answers must be identical."""
@@ -215,15 +236,19 @@ def test_cluster_check_compare(tmp_path):
     assert not ok
 
 
+@needs_cxx  # the fast-path configurations run the compiled kernel
 def test_quick_profile_cli_on_tiny_model(tmp_path):
     rc = main(["--quick", "--model", "tiny-llama", "--out", str(tmp_path), "--figure", str(tmp_path / "s.png")])
     assert rc == 0
     data = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert data["quick"] and data["model"] == "tiny-llama"
-    for key in ("shared_prefill_speedup", "certificate_overhead", "oracle_overhead", "roofline_multiple"):
-        assert _positive(data[key]), key
-    assert "example_speedup" in data and (data["example_speedup"] is None or _positive(data["example_speedup"]))
     assert {(r["tokens"], r["variants"]) for r in data["prefill"]} == {(1024, 1), (1024, 8), (1024, 24)}
+    for r in data["prefill"]:  # one repetition (quick): the median of one ratio is the ratio of the two times
+        assert r["reps"] == 1 and r["speedup"] == pytest.approx(r["reprefill_s"] / r["shared_s"])
+    one = next(r for r in data["prefill"] if r["variants"] == 1)
+    assert one["reprefill_s"] == pytest.approx(one["solo_one_variant_s"])  # re-prefill of 1 variant: its solo run
+    head = next(r for r in data["prefill"] if (r["variants"], r["tokens"]) == (24, 1024))
+    assert data["headline"] == dict(variants=24, tokens=1024) and data["shared_prefill_speedup"] == head["speedup"]
     assert set(data["decode"]) == {
         "plain",
         "certificate",
@@ -236,32 +261,55 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "certificate, fast path, tight radius every 8",
         "certificate+oracle, fast path in torch ops",
     }
-    for key in (
-        "certificate_overhead_no_tight",
-        "certificate_overhead_tight_every8",
-        "certificate_overhead_default_path",
-        "certificate_overhead_fast_tight_every8",
-        "certificate_overhead_vs_default_plain",
-        "fast_path_speedup",
-        "kernel_speedup",
-        "roofline_multiple_default_path",
-    ):
-        assert _positive(data[key]), key
-    d = data["decode"]  # the headline is the fast path's certificate over the fast path's plain step
-    ratios = [c / p for c, p in zip(d["certificate, fast path"]["samples_s"], d["plain, fast path"]["samples_s"])]
-    assert data["certificate_overhead"] == pytest.approx(statistics.median(ratios))
+    d = data["decode"]  # every overhead / speedup: the median over repetitions of the paired ratio of step times
+    ratios = {
+        "certificate_overhead": ("certificate, fast path", "plain, fast path"),  # the headline
+        "certificate_overhead_vs_default_plain": ("certificate, fast path", "plain"),
+        "certificate_overhead_default_path": ("certificate", "plain"),
+        "certificate_overhead_fast_tight_every8": ("certificate, fast path, tight radius every 8", "plain, fast path"),
+        "certificate_overhead_no_tight": ("certificate, no tight radius", "plain"),
+        "certificate_overhead_tight_every8": ("certificate, tight radius every 8", "plain"),
+        "fast_path_speedup": ("certificate+oracle", "certificate+oracle, fast path"),
+        "kernel_speedup": ("certificate+oracle, fast path in torch ops", "certificate+oracle, fast path"),
+        "oracle_overhead": ("certificate+oracle", "certificate"),
+    }
+    for key, (num, den) in ratios.items():
+        assert len(d[num]["samples_s"]) == len(d[den]["samples_s"]) == 3, key  # quick: 3 interleaved repetitions
+        paired = [c / p for c, p in zip(d[num]["samples_s"], d[den]["samples_s"])]
+        assert data[key] == pytest.approx(statistics.median(paired)), key
     roof = data["roofline"]
     assert len(roof["rows"]) == 5 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
-    for r in roof["rows"]:
-        assert all(_positive(r[k]) for k in ("step_s", "bytes", "flops", "limit_s", "multiple"))
+    machine = roof["machine"]
+    assert machine["bandwidth"]["bandwidth_Bps"] == machine["bandwidth"]["read_Bps"]
+    assert _plausible_bandwidth(machine["bandwidth"]["bandwidth_Bps"])
+    for r in roof["rows"]:  # the limit: bytes over the bandwidth, flops over the measured matmul rate, the larger
+        assert r["step_s"] == pytest.approx(statistics.median(r["samples_s"]))
+        assert r["memory_s"] == pytest.approx(r["bytes"] / machine["bandwidth"]["bandwidth_Bps"])
+        assert r["compute_s"] == pytest.approx(r["flops"] / machine["matmul"][str(r["variants"])]["flops_per_s"])
         assert r["limit_s"] == max(r["memory_s"], r["compute_s"])
+        assert r["multiple"] == pytest.approx(r["step_s"] / r["limit_s"])
+        assert r["bound"] == ("memory" if r["memory_s"] >= r["compute_s"] else "compute")
+    row = {(r["variants"], r["tokens"], r["config"]): r for r in roof["rows"]}
+    headline, default = row[(24, 1024, "certificate+oracle, fast path")], row[(24, 1024, "certificate+oracle")]
+    assert data["roofline_multiple"] == headline["multiple"]
+    assert data["roofline_multiple_default_path"] == default["multiple"]
     assert data["roofline_headline"] == dict(
-        data["roofline_headline"], variants=24, tokens=1024, config="certificate+oracle, fast path"
+        variants=24,
+        tokens=1024,
+        config="certificate+oracle, fast path",
+        step_s=headline["step_s"],
+        limit_s=headline["limit_s"],
+        bound=headline["bound"],
     )
-    assert _positive(roof["machine"]["bandwidth"]["bandwidth_Bps"])
-    assert data["examples"]["variants"] == 21 and _positive(data["examples"]["before"]["seconds_per_example"])
+    ex = data["examples"]
+    seconds = {m: [r["seconds"] for r in ex["rows"] if r["mode"] == m] for m in ("before", "after")}
+    assert ex["variants"] == 21 and len(seconds["before"]) == len(seconds["after"]) == ex["examples"]
+    assert ex["before"]["seconds_per_example"] == pytest.approx(statistics.fmean(seconds["before"]))
+    assert data["example_speedup"] == ex["example_speedup"]
+    assert ex["example_speedup"] == pytest.approx(sum(seconds["before"]) / sum(seconds["after"]))
     assert len(data["memory"]) == 1 and data["memory"][0]["peak_delta_mb"] >= 0
-    assert _positive(data["threads"]["num_threads_step_s"]["1"])
+    threads = data["threads"]["num_threads_step_s"]
+    assert "1" in threads and data["threads"]["best_num_threads"] == int(min(threads, key=threads.get))
     md = (tmp_path / "bench_cpu.md").read_text()
     for text in (
         "GPU figures were not measured",

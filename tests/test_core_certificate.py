@@ -24,8 +24,13 @@ from kvcert.core.certificate import (
 )
 from kvcert.core.simulate import monte_carlo, random_problem
 
-torch.set_num_threads(1)
 LEVELS = (0.5, 0.8, 0.9, 0.95, 0.99)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(torch_threads):
+    """One intra-op thread in this module (reproducible float sums in the Monte Carlo), restored after each test."""
+    torch_threads(1)
 
 
 def _spectrum(name, d=64):

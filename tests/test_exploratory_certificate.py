@@ -148,7 +148,17 @@ def test_certificate_mc_smoke():
     assert {"conservative", "tight", "tight_ess", "conformal_tight"} <= set(summary["radius"])
     assert summary["coverage_pooled"].between(0, 1).all()
     cost = accuracy_cost(cells)
-    assert (cost.loc[cost["floor"] == 0.2, "rmse_ratio_to_floor0.2"] == 1).all()
+    # one row per (regime, budget, floor): RMSE of the draws' errors, and its ratio to floor 0.2's, by hand
+    assert set(cost["floor"]) == {0.2, 0.5} and len(cost) == 2 * cells["regime"].nunique()
+    for _, r in cost.iterrows():
+        same = cells[(cells["regime"] == r["regime"]) & (cells["budget"] == r["budget"])]
+
+        def rmse(floor, same=same):
+            return float(np.sqrt(np.mean(same.loc[same["floor"] == floor, "error"].to_numpy() ** 2)))
+
+        assert r["rmse"] == pytest.approx(rmse(r["floor"]), rel=1e-12)
+        assert r["rmse_ratio_to_floor0.2"] == pytest.approx(rmse(r["floor"]) / rmse(0.2), rel=1e-12)
+    assert (cost.loc[cost["floor"] == 0.5, "rmse_ratio_to_floor0.2"] != 1).all()  # the floors' draws differ
 
 
 def test_record_time_radius_equals_the_torch_one():

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import pandas as pd
 import pytest
 
 from kvcert.analysis import accuracy, auroc, coverage
@@ -162,4 +161,14 @@ def test_variants_and_wall_time():
     assert P.wall_minutes(1, 21, workers=1) == pytest.approx(5 * 8.0 * (1 + 1.6 + 3.5) / 60)
     assert P.wall_minutes(2, 21, workers=2) == pytest.approx(P.wall_minutes(1, 21, workers=1))
     assert P.seconds_per_example(1000, 0) == pytest.approx(8.0 * 0.12)
-    assert isinstance(pd.DataFrame(), pd.DataFrame)
+    # the claims column is the inverse of variants_by_claim: every (variant, claim) pair once, in claim order
+    by_variant = tab.set_index(["scorer", "design", "budget"])["claims"]
+    assert len(by_variant) == 21 and by_variant.index.is_unique
+    assert by_variant[("none", "full", 1.0)] == "C1, C2, C3, C4, C5, C6, C7"
+    assert by_variant[("window_question", "randomized", 0.25)] == "C1, C2, C6, C7"
+    assert by_variant[("window_question", "randomized", 0.75)] == "C2, C4, C5"
+    pairs = {(v, c) for v, claims in by_variant.items() for c in claims.split(", ") if c.startswith("C")}
+    assert pairs == {(v, c) for c, vs in need.items() for v in vs}
+    # the decode share scales with the variants, the rest is fixed: 4k at 21 variants is 3.5 x 8 s
+    assert P.seconds_per_example(4000, 21) == pytest.approx(28.0)
+    assert P.seconds_per_example(2000, 42) == pytest.approx(8.0 * 1.6 * (0.12 + 0.88 * 2))

@@ -226,9 +226,19 @@ def test_tiny_gemma3_greedy_reference_matches_generate() -> None:
     model, _ = tiny_gemma3_model(seed=4)
     prompt = [int(t) for t in torch.randint(3, 128, (20,), generator=torch.Generator().manual_seed(0))]
     tokens, logprobs = hf_greedy(model, prompt, 6)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert out[0, len(prompt) :].tolist() == tokens
-    assert all(lp <= 0 for lp in logprobs)
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+        eos_token_id=None,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert out.sequences[0, len(prompt) :].tolist() == tokens
+    # the log-probabilities are those of generate()'s raw logits at the chosen tokens, step by step
+    ref = [float(step[0].float().log_softmax(-1)[t]) for step, t in zip(out.logits, tokens)]
+    assert len(ref) == 6 and logprobs == pytest.approx(ref, abs=1e-5)
 
 
 # ---------------------------------------------------------------- plain (base-model) rendering
@@ -308,8 +318,8 @@ def gemma3():
 
 
 @pytest.mark.slow
-def test_packaged_gemma3_loads_and_answers(gemma3) -> None:
-    torch.set_num_threads(1)
+def test_packaged_gemma3_loads_and_answers(gemma3, torch_threads) -> None:
+    torch_threads(1)
     model, tok = gemma3
     cfg = model.config
     assert cfg.model_type == "gemma3_text" and not model.training and cfg.vocab_size == 262144

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import needs_cxx, needs_mkl
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
 from kvcert.hf.decode import StopDetector, answer_length
 from kvcert.policy import FULL, Policy
@@ -146,8 +147,14 @@ def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_s
 
 @pytest.mark.parametrize(
     "every, after_forward, transposed, fused, packed",
-    [(1, True, False, False, False), (3, True, False, False, False), (1, False, True, False, True)]
-    + [(3, True, True, False, False), (1, True, True, True, False), (3, True, True, True, True)],
+    [
+        (1, True, False, False, False),
+        (3, True, False, False, False),
+        pytest.param(1, False, True, False, True, marks=needs_mkl),
+        (3, True, True, False, False),
+        pytest.param(1, True, True, True, False, marks=needs_cxx),
+        pytest.param(3, True, True, True, True, marks=[needs_cxx, needs_mkl]),
+    ],
 )
 def test_fast_switches_change_nothing_but_float_rounding(
     tiny_smol, monkeypatch, every, after_forward, transposed, fused, packed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import needs_cxx
 from kvcert.hf import fused
 
 
@@ -40,6 +41,7 @@ def _reference(q, new_k, new_v, b, scale):
     return p, a, o, av, variance
 
 
+@needs_cxx
 @pytest.mark.parametrize("group, d", [(3, 64), (2, 16), (8, 24)])
 def test_kernel_matches_exact_attention_and_certificate(group, d):
     """Two buckets of different widths, one with the certificate's rows and an oracle part, one without: the cache
@@ -93,6 +95,7 @@ def test_kernel_matches_exact_attention_and_certificate(group, d):
     assert (own_k[:, :, [0, 1, 3]] == 0).all(), "the oracle part is written at its length only"
 
 
+@needs_cxx
 def test_kernel_refuses_a_full_buffer():
     gen = torch.Generator().manual_seed(0)
     b = _bucket(gen, 1, 1, 8, capacity=4, length=4, tail_slots=2)

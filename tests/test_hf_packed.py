@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 from torch import nn
 
+from conftest import needs_mkl
 from kvcert.hf import packed
 
 
@@ -17,7 +17,7 @@ def _model():
     return nn.Sequential(nn.Linear(16, 48), nn.SiLU(), nn.Linear(48, 8, bias=False), nn.Linear(8, 8).double())
 
 
-@pytest.mark.skipif(not packed.available(), reason="this torch build has no MKL packed GEMM")
+@needs_mkl
 def test_packed_linears_equal_f_linear_and_are_restored(monkeypatch):
     m = _model()
     x = torch.randn(7, 3, 16)  # 21 rows

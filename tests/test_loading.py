@@ -198,8 +198,8 @@ def test_killed_conversion_leaves_no_valid_folder(fake_embedded: dict) -> None:
 
 
 @pytest.mark.slow
-def test_embedded_model_converts_and_reloads(tmp_path: Path) -> None:
-    torch.set_num_threads(1)
+def test_embedded_model_converts_and_reloads(tmp_path: Path, torch_threads) -> None:
+    torch_threads(1)
     model, tok = load_model("smollm2-135m-instruct", cache_dir=str(tmp_path))
     cfg = model.config
     assert cfg.model_type == "llama" and not model.training

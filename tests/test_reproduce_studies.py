@@ -80,7 +80,7 @@ def test_nested_claim_option_composes(study2_tree):
     assert "c1_fast" not in {e.experiment for e in registry(rep.PREDICTIONS, rep.CONF / "claim").values()}
 
 
-def test_run_study2_pins_threads_and_logs(study2_tree, tiny_smol, monkeypatch):
+def test_run_study2_pins_threads_and_logs(study2_tree, tiny_smol, monkeypatch, torch_threads):
     model, tok = tiny_smol
     real_run_cell = rep.run_cell
     seen = []
@@ -98,15 +98,11 @@ def test_run_study2_pins_threads_and_logs(study2_tree, tiny_smol, monkeypatch):
 
     monkeypatch.setattr(rep, "run_cell", run_cell)
     monkeypatch.setattr(rep, "t1_from_config", t1_from_config)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(2)
-        assert rep.main(["run", "--study", "study2", "--only", "T1"]) == 0
-        assert threads_seen == [1]  # T1 alone: pinned, not inherited
-        assert rep.main(["run", "--study", "study2"]) == 0
-        assert rep.main(["run", "--study", "study2"]) == 0  # resume
-    finally:
-        torch.set_num_threads(before)
+    torch_threads(2)  # restored after the test, whatever the runs pinned
+    assert rep.main(["run", "--study", "study2", "--only", "T1"]) == 0
+    assert threads_seen == [1]  # T1 alone: pinned, not inherited
+    assert rep.main(["run", "--study", "study2"]) == 0
+    assert rep.main(["run", "--study", "study2"]) == 0  # resume
     log = study2_tree["out"] / "reproduce.log"
     assert [s[:2] for s in seen] == [("C1", 2000)] * 2 and all(s[3] == log for s in seen)
     assert (study2_tree["out"] / "tables" / "t1.json").exists()
@@ -122,7 +118,7 @@ def test_all_runs_each_study(monkeypatch):
     calls = []
     monkeypatch.setattr(rep, "run_claims", lambda profile, only=None, *, study: calls.append(("run", study)))
     monkeypatch.setattr(rep, "analyze", lambda profile, *, study: calls.append(("analyze", study)) or {"id": study})
-    monkeypatch.setattr(rep, "publish", lambda profile, *, study: calls.append(("publish", study)))
+    monkeypatch.setattr(rep, "publish", lambda profile, *, study, into=None: calls.append(("publish", study)))
     monkeypatch.setattr(rep, "combine", lambda cards, profile: calls.append(("combine", sorted(cards))))
     assert rep.main(["analyze", "--study", "all"]) == 0
     assert rep.main(["run"]) == 0

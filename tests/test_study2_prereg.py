@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import yaml
 
 from kvcert.analysis.claims import evaluate_claim, load_predictions
@@ -71,5 +72,23 @@ def test_locked_analysis_reads_the_study2_spec():
     spec["n_boot"] = NB
     ex = synthetic_examples(n=150, seed=3)
     res = evaluate_claim("C6", ex, None, spec)
-    assert res.details["n_pos"] > 0 and res.details["n_neg"] > 0
-    assert res.verdict in ("supported", "refuted", "inconclusive")
+    # by hand: the study-2 rows (budget 0.25), failures only, cache-induced = the full cache was correct
+    rows = ex
+    for column, value in spec["rows"].items():
+        rows = rows[rows[column] == value]
+    failed = rows[~rows["correct"].astype(bool)]
+    label = failed["full_correct"].astype(bool).to_numpy()
+    assert res.details["n_pos"] == int(label.sum()) > 0 and res.details["n_neg"] == int((~label).sum()) > 0
+
+    def auroc(score):
+        pos, neg = score[label][:, None], score[~label][None, :]
+        return float(((pos > neg) + 0.5 * (pos == neg)).mean())
+
+    auc_cert = auroc(failed["cert_score"].to_numpy())
+    auc_conf = auroc(-failed["logprob_mean"].to_numpy())
+    assert res.metrics["auc_cert"]["estimate"] == pytest.approx(auc_cert, abs=1e-12)
+    assert res.metrics["auc_conf"]["estimate"] == pytest.approx(auc_conf, abs=1e-12)
+    assert res.observed == pytest.approx(auc_cert - auc_conf, abs=1e-12)
+    # the synthetic certificate is 3 SD higher on cache-induced failures, confidence carries no signal: every
+    # decision condition of the locked rule is met
+    assert auc_cert > 0.9 and res.verdict == "supported"

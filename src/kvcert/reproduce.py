@@ -49,10 +49,10 @@ from omegaconf import DictConfig
 
 from kvcert.analysis.claims import ClaimResult, registry
 from kvcert.config import result_name
-from kvcert.run import ROOT, progress, run_cell
+from kvcert.run import ROOT, config_dir, progress, run_cell
 from kvcert.studies.published import load_published, write_published
 
-CONF = ROOT / "conf"
+CONF = config_dir()  # the checkout's conf/, or the copy in the installed wheel
 PREDICTIONS = ROOT / "preregistration" / "predictions.yaml"
 PROFILES = {
     # study 1 decodes through the path that produced its locked results (two decode batches, finished rows kept in
@@ -197,6 +197,13 @@ def _c1_entry(claims: dict):
     return entries[0]
 
 
+def _relative(path: Path) -> Path:
+    """A path relative to the repository when it lies inside it (published meta stays machine-independent), else
+    as given (a results_dir such as /scratch/runs)."""
+    path = Path(path)
+    return path.relative_to(ROOT) if path.is_absolute() and path.is_relative_to(ROOT) else path
+
+
 def publish(profile: str = "confirmatory", *, study: str = "study1", into: Path | None = None) -> Path:
     """The study's published records (kvcert.studies.published) from its raw run folder: examples, the C1 cell
     table, the C1 cells above z(0.95), meta.json -> <out>/published/, or `into` (`make reproduce` publishes a
@@ -232,14 +239,14 @@ def publish(profile: str = "confirmatory", *, study: str = "study1", into: Path 
         examples, steps, rows=rows, multipliers=multipliers, numerical_floor=floor
     )
     exceed = published.exceedances(published.c1_cells(examples, steps, rows))
-    run_rel = run_dir.relative_to(ROOT) if run_dir.is_absolute() else run_dir
+    run_rel = _relative(run_dir)
     meta = {
         "study": study,
         "run": run_rel.as_posix(),
         "c1_rows": rows,
         "numerical_floor": floor,
         "excluded_cells": int(n_excluded),
-        "multipliers": Path(multipliers_path).relative_to(ROOT).as_posix() if multipliers_path else None,
+        "multipliers": _relative(Path(multipliers_path)).as_posix() if multipliers_path else None,
         "n_c1_cells": int(cells["n_cells"].sum()),
         "n_exceedances": int(len(exceed)),
     }
