@@ -13,11 +13,15 @@ def _group_options(group: str) -> list[str]:
 
 
 @pytest.mark.parametrize("group", ["model", "task", "policy", "budgets"])
-def test_every_group_option_composes_and_validates(group):
+def test_every_group_option_composes_and_validates(group, tmp_path):
     for option in _group_options(group):
         overrides = [f"{group}={option}"]
         if group == "model" and option == "hf":
             overrides.append("model.name=some/model")
+        if group == "task" and option == "jsonl":
+            data = tmp_path / "qa.jsonl"
+            data.write_text('{"context": "c", "question": "q?", "answers": ["a"]}\n')
+            overrides.append(f"task.path={data}")
         cfg = compose(overrides)
         validate(cfg)
         assert policies(cfg)[0].is_full

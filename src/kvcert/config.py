@@ -6,6 +6,7 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -26,7 +27,19 @@ SPEED_ONLY_KEYS = {
     )
 }
 # hashed only when not the default, so folders of earlier configs keep their names
-DEFAULT_ONLY_KEYS = {"model": {"prompt_format": "auto"}, "decode": {"tight_radius": True, "tight_radius_every": 1}}
+JSONL_DEFAULTS = {
+    "path": None,
+    "fields": {"context": "context", "question": "question", "answers": "answers"},
+    "metric": "f1",
+    "stop_strings": None,
+    "max_context_tokens": None,
+    "truncation": "middle",
+}
+DEFAULT_ONLY_KEYS = {
+    "model": {"prompt_format": "auto"},
+    "decode": {"tight_radius": True, "tight_radius_every": 1},
+    "task": JSONL_DEFAULTS,
+}
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
 
@@ -43,13 +56,26 @@ class ModelConfig:
 
 
 @dataclass
+class TaskFields:
+    context: str = "context"
+    question: str = "question"
+    answers: str = "answers"
+
+
+@dataclass
 class TaskConfig:
     tasks: list[str] = field(default_factory=list)
-    n_examples: int = 4
+    n_examples: int | None = 4  # None: every row (task=jsonl only)
     context_tokens: list[int] = field(default_factory=lambda: [1000])
     source: str = "paul_graham"
-    dataset: str | None = None
+    dataset: str | None = None  # squad_v2 | longbench/<subset> | jsonl (your own file: the keys below)
     data_dir: str | None = None
+    path: str | None = None  # task=jsonl: the JSON-lines file; its stem labels the records
+    fields: TaskFields = field(default_factory=TaskFields)  # task=jsonl: the row's field names
+    metric: str = "f1"  # task=jsonl: exact | contains | f1 | a callable pkg.mod:func (tasks/scoring.py)
+    stop_strings: list[str] | None = None  # task=jsonl: stops besides end of turn; None: first newline or period
+    max_context_tokens: int | None = None  # task=jsonl: longer contexts are truncated; None: whole contexts
+    truncation: str = "middle"  # task=jsonl: left | right | middle, the part of a long context that is dropped
 
 
 @dataclass
@@ -150,7 +176,10 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
         for t in cfg.task.tasks:
             _one_of("task.tasks", t, set(TASKS))
-    if cfg.task.n_examples < 1:
+    _validate_jsonl(cfg.task)
+    if cfg.task.n_examples is None and cfg.task.dataset != "jsonl":
+        raise ConfigError("task.n_examples=null (every row) is for task=jsonl only; give a number")
+    if cfg.task.n_examples is not None and cfg.task.n_examples < 1:
         raise ConfigError(f"task.n_examples={cfg.task.n_examples} must be >= 1")
     for n in cfg.task.context_tokens:
         if not 64 <= n <= 131072:
@@ -171,6 +200,41 @@ def validate(cfg: DictConfig) -> None:
         )
     if cfg.decode.fused_attention and not cfg.device.startswith("cpu"):
         raise ConfigError(f"decode.fused_attention=true is a CPU kernel and device={cfg.device}; set it to false")
+
+
+def _validate_jsonl(task: DictConfig) -> None:
+    """task=jsonl's keys (the file exists, the metric resolves); elsewhere they must stay at their defaults."""
+    if task.dataset != "jsonl":
+        for key, default in JSONL_DEFAULTS.items():
+            value = OmegaConf.to_container(task[key]) if OmegaConf.is_config(task[key]) else task[key]
+            if value != default:
+                raise ConfigError(f"task.{key} is read by task=jsonl only (task.dataset={task.dataset}); remove it")
+        return
+    from kvcert.tasks import TaskError
+    from kvcert.tasks.datasets_hf import TRUNCATION_SIDES
+    from kvcert.tasks.scoring import BUILTIN_METRICS, metric_function
+
+    if not task.path:
+        raise ConfigError("task=jsonl needs task.path=<file.jsonl> (one JSON object per line)")
+    if not Path(task.path).expanduser().is_file():
+        raise ConfigError(f"task.path={task.path} is not a file; pass a JSON-lines file (one object per line)")
+    if task.metric not in BUILTIN_METRICS:
+        if "." not in task.metric and ":" not in task.metric:
+            raise ConfigError(f"task.metric={task.metric!r}: use exact, contains, f1 or a callable pkg.mod:func")
+        try:
+            metric_function(task.metric)
+        except TaskError as err:
+            raise ConfigError(f"task.{err}") from None
+    _one_of("task.truncation", task.truncation, set(TRUNCATION_SIDES))
+    n = task.max_context_tokens
+    if n is not None and not 64 <= n <= 131072:
+        raise ConfigError(f"task.max_context_tokens={n}; use null (whole contexts) or 64 to 131072 tokens")
+    for stop in task.stop_strings or []:
+        if not isinstance(stop, str) or not stop:
+            raise ConfigError(f"task.stop_strings contains {stop!r}; stop strings are non-empty strings")
+    for key in ("context", "question", "answers"):
+        if not task.fields[key]:
+            raise ConfigError(f"task.fields.{key} is empty; name the row's {key} field")
 
 
 def policies(cfg: DictConfig) -> list[Policy]:
@@ -234,11 +298,16 @@ def result_name(cfg: DictConfig) -> str:
             for k in RESULT_KEYS
         }
     )
+    data = Path(cfg.task.path).expanduser() if cfg.task.get("path") else None
+    if data is not None and data.is_file():  # task=jsonl: an edited file is new data, so a new folder
+        content["task"]["path_sha256"] = hashlib.sha256(data.read_bytes()).hexdigest()
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:8]
     model = str(cfg.model.name).replace("/", "_")
     task = cfg.task.dataset.replace("/", "_") if cfg.task.dataset else "+".join(cfg.task.tasks)
     if len(task) > 40:
         task = f"{len(cfg.task.tasks)}tasks"
     lengths = "-".join(str(n) for n in cfg.task.context_tokens)
+    if cfg.task.dataset == "jsonl" and cfg.task.path:
+        task, lengths = Path(cfg.task.path).stem, str(cfg.task.max_context_tokens or "whole")
     budgets = "-".join(f"{b:g}" for b in budget_list(cfg))
     return f"{model}__{task}__{lengths}__{cfg.policy.name}__b{budgets}__s{cfg.seed}__{digest}"

@@ -8,6 +8,7 @@ python -m kvcert.run -m budget=0.25,0.5 seed=0,1,2    # a multirun sweep (hydra/
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import json
 import sys
 import time
@@ -39,6 +40,15 @@ ROOT = Path(__file__).resolve().parents[2]
 register_configs()
 
 
+def config_dir() -> Path:
+    """The config folder: the checkout's conf/ when kvcert runs from a checkout, else the copy shipped in the wheel
+    (kvcert/conf, package data). Users add their own folder with `hydra.searchpath=[file:///path/to/my_conf]`."""
+    checkout = ROOT / "conf"
+    if (ROOT / "pyproject.toml").is_file() and (checkout / "config.yaml").is_file():
+        return checkout
+    return Path(str(importlib.resources.files("kvcert") / "conf"))
+
+
 def _lock_hash() -> str | None:
     lock = ROOT / "preregistration" / "LOCK.json"
     return hashlib.sha256(lock.read_bytes()).hexdigest() if lock.exists() else None
@@ -48,6 +58,13 @@ def load_examples(cfg: DictConfig, tokenizer) -> list:
     from kvcert.tasks import load_dataset_examples, make_examples
 
     t = cfg.task
+    if t.dataset == "jsonl":
+        from kvcert.tasks.datasets_hf import truncate
+
+        raw = _jsonl_examples(cfg)
+        if t.max_context_tokens is None:
+            return raw
+        return [truncate(ex, tokenizer, int(t.max_context_tokens), t.truncation) for ex in raw]
     if t.dataset:
         from kvcert.tasks.datasets_hf import truncate_middle
 
@@ -58,6 +75,15 @@ def load_examples(cfg: DictConfig, tokenizer) -> list:
         for length in t.context_tokens:
             examples += make_examples(task, t.n_examples, int(length), tokenizer, seed=cfg.seed, source=t.source)
     return examples
+
+
+def _jsonl_examples(cfg: DictConfig) -> list:
+    """task=jsonl's examples before truncation (every row checked: a bad row is a one-line TaskError)."""
+    from kvcert.tasks import load_jsonl_examples
+
+    t = cfg.task
+    stops = tuple(t.stop_strings) if t.stop_strings is not None else None
+    return load_jsonl_examples(t.path, fields=dict(t.fields), metric=t.metric, n=t.n_examples, stop_strings=stops)
 
 
 def _record_config(cfg: DictConfig) -> str:
@@ -118,6 +144,8 @@ def run_cell(
         progress(f"{run_dir.name}: skipped: complete ({run_dir})", log, echo=False)
         return run_dir
     torch.set_num_threads(int(cfg.threads))
+    if cfg.task.dataset == "jsonl":
+        _jsonl_examples(cfg)  # a bad row fails in one line before a model is loaded
     if model is None:
         model, tokenizer = load_model(
             cfg.model.name, cache_dir=cfg.model.cache_dir, dtype=getattr(torch, cfg.model.dtype), device=cfg.device
@@ -194,7 +222,7 @@ def _summary(name: str, df: pd.DataFrame, seconds: float, log: Path | None = Non
     progress(f"{name}: complete: {full.example_id.nunique()} examples in {_duration(seconds)}", log, echo=False)
 
 
-@hydra.main(version_base="1.3", config_path="../../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def main(cfg: DictConfig) -> None:
     from kvcert.hf import ModelLoadError
     from kvcert.tasks import TaskError

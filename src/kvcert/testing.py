@@ -1,13 +1,17 @@
-"""Tiny random-init models for fast tests (no downloads): Llama / Qwen2 / Mistral and a Gemma-3-style hybrid.
+"""Tiny random-init models for fast tests (no downloads): Llama / Qwen2 / Mistral and a Gemma-3-style hybrid, plus
+tiny configs of every architecture of the support matrix (docs/models.md) and a word-level tokenizer, so a test can
+write a model folder and load it the way a user does (``save_tiny_model``).
 
 ``tiny_random_model`` moved here from ``kvcert.hf.loading`` (which still re-exports it).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 _TINY_BASE = dict(
     vocab_size=128,
@@ -105,3 +109,57 @@ def tiny_gemma3_model(seed: int = 0, **overrides) -> tuple[PreTrainedModel, None
             if name.endswith("norm.weight"):
                 param.uniform_(-0.5, 0.5)
     return model, None
+
+
+# Vocabulary 128 with pad 0, eos 1, bos 2 (configs whose defaults point outside it are moved inside).
+_SPECIAL = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+_NO_HEAD_DIM = {k: v for k, v in _TINY_BASE.items() if k != "head_dim"}  # head_dim = hidden / heads = 16 anyway
+MATRIX_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "gpt_neox", "falcon")
+
+
+def tiny_config(arch: str, **overrides) -> PretrainedConfig:
+    """The config of a tiny model of an architecture in MATRIX_ARCHS (2 layers, hidden 64, vocabulary 128; gemma3:
+    :func:`tiny_gemma3_config`), with ``overrides``. No support check: the loader decides (tests/test_model_matrix)."""
+    if arch == "gemma3":
+        return tiny_gemma3_config(**overrides)
+    neox = {k: _NO_HEAD_DIM[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")}
+    known = {
+        "llama": (transformers.LlamaConfig, _TINY_BASE),
+        "mistral": (transformers.MistralConfig, {"sliding_window": None, **_TINY_BASE}),
+        "qwen2": (transformers.Qwen2Config, {"use_sliding_window": False, **_TINY_BASE}),
+        "qwen3": (transformers.Qwen3Config, {"use_sliding_window": False, **_TINY_BASE}),
+        "phi3": (transformers.Phi3Config, {**_NO_HEAD_DIM, **_SPECIAL}),
+        "gemma2": (transformers.Gemma2Config, {**_TINY_BASE, **_SPECIAL}),
+        "gpt_neox": (transformers.GPTNeoXConfig, {**neox, "num_attention_heads": 4, "max_position_embeddings": 1024}),
+        "falcon": (
+            transformers.FalconConfig,
+            {"vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, **_SPECIAL},
+        ),
+    }
+    if arch not in known:
+        raise ValueError(f"tiny_config: unknown arch '{arch}' (use one of {', '.join(MATRIX_ARCHS)})")
+    cls, params = known[arch]
+    return cls(**{**params, **overrides})
+
+
+def tiny_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny models' 128 ids ("w0".."w124"; [PAD] 0, </s> 1, <s> 2)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    vocab = {"[PAD]": 0, "</s>": 1, "<s>": 2, **{f"w{i}": i + 3 for i in range(125)}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="[PAD]"))
+    backend.pre_tokenizer = Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[PAD]", pad_token="[PAD]", eos_token="</s>", bos_token="<s>"
+    )
+
+
+def save_tiny_model(folder: str | Path, config: PretrainedConfig, seed: int = 0) -> Path:
+    """Write a random-init model of ``config`` and :func:`tiny_tokenizer` to ``folder`` (a model folder as a user
+    has one, for ``load_model``); the global torch RNG is left untouched."""
+    folder = Path(folder)
+    _build(config, seed, "sdpa").save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return folder

@@ -217,14 +217,11 @@ def confirmatory_config():
         compose_claim = None
     if compose_claim is not None:
         return compose_claim("c1_coverage")
-    from pathlib import Path
-
     from hydra import compose, initialize_config_dir
 
-    import kvcert.run  # noqa: F401  (registers the schema)
+    from kvcert.run import config_dir  # importing kvcert.run registers the schema
 
-    conf = Path(__file__).resolve().parents[3] / "conf"
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose("config", overrides=["+claim=c1_coverage"])
 
 

@@ -1,7 +1,9 @@
-"""Workloads: RULER-style synthetic tasks over packaged essays, real QA datasets, prompt rendering and scoring."""
+"""Workloads: RULER-style synthetic tasks over packaged essays, real QA datasets, your own JSON lines, prompt
+rendering and scoring."""
 
 from kvcert.tasks.datasets_hf import load_dataset_examples
 from kvcert.tasks.haystack import SOURCES, TaskError
+from kvcert.tasks.jsonl import load_jsonl_examples
 from kvcert.tasks.render import Rendered, render
 from kvcert.tasks.ruler import MAX_NEW_TOKENS, TASKS, Example, default_depth, make_examples
 from kvcert.tasks.scoring import score
@@ -15,6 +17,7 @@ __all__ = [
     "TaskError",
     "default_depth",
     "load_dataset_examples",
+    "load_jsonl_examples",
     "make_examples",
     "render",
     "score",

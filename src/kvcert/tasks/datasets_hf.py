@@ -123,6 +123,23 @@ def load_dataset_examples(
     return examples
 
 
+TRUNCATION_SIDES = ("left", "right", "middle")
+
+
+def truncate(example: Example, tokenizer, max_tokens: int, side: str = "middle") -> Example:
+    """The example with its context cut to at most about max_tokens tokens: ``left`` drops the start (keeps the
+    end), ``right`` drops the end, ``middle`` keeps the first and last halves (LongBench's, ``truncate_middle``)."""
+    if side == "middle":
+        return truncate_middle(example, tokenizer, max_tokens)
+    if side not in TRUNCATION_SIDES:
+        raise TaskError(f"truncation side '{side}': use one of {', '.join(TRUNCATION_SIDES)}")
+    ids = tokenizer(example.context, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return example
+    kept = ids[-max_tokens:] if side == "left" else ids[:max_tokens]
+    return Example(**{**example.__dict__, "context": tokenizer.decode(kept, skip_special_tokens=True).strip()})
+
+
 def truncate_middle(example: Example, tokenizer, max_tokens: int) -> Example:
     """LongBench's truncation: keep the first and last max_tokens/2 context tokens, drop the middle."""
     ids = tokenizer(example.context, add_special_tokens=False)["input_ids"]

@@ -45,14 +45,19 @@ def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
+def end_of_turn_strings(tokenizer) -> tuple[str, ...]:
+    """The end-of-turn / end-of-text tokens of the tokenizer's vocabulary (EOS first)."""
+    stops = [tok for tok in (tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<end_of_turn>") if tok]
+    vocab = tokenizer.get_vocab()
+    return tuple(s for i, s in enumerate(stops) if s in vocab and s not in stops[:i])
+
+
 def stop_strings_for(tokenizer, task: str = "", prompt_format: str = "chat") -> tuple[str, ...]:
     """End-of-turn strings of the template; for single answers also the first period or newline (the answer is
     complete by then and the model otherwise keeps talking). In chat format list answers start with a blank line, so
     list tasks stop only at the end of the turn (or at the token limit); in plain format every task also stops at
     the first newline."""
-    stops = [tok for tok in (tokenizer.eos_token, "<|im_end|>", "<|eot_id|>", "<end_of_turn>") if tok]
-    vocab = tokenizer.get_vocab()
-    stops = [s for i, s in enumerate(stops) if s in vocab and s not in stops[:i]]
+    stops = end_of_turn_strings(tokenizer)
     if task in LIST_TASKS:
         return (*stops, "\n") if prompt_format == "plain" else tuple(stops)
     return (*stops, "\n", ".")
@@ -68,6 +73,13 @@ def resolve_prompt_format(tokenizer, prompt_format: str | None = "auto") -> str:
     if fmt == "chat" and not getattr(tokenizer, "chat_template", None):
         raise TaskError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat template")
     return fmt
+
+
+def _stops(example: Example, tokenizer, prompt_format: str) -> tuple[str, ...]:
+    """The example's own stop strings after the end-of-turn tokens (task=jsonl), else the task's defaults."""
+    if example.stop_strings is not None:
+        return tuple(dict.fromkeys((*end_of_turn_strings(tokenizer), *example.stop_strings)))
+    return stop_strings_for(tokenizer, example.task, prompt_format)
 
 
 def _bos_ids(tokenizer) -> list[int]:
@@ -92,7 +104,7 @@ def _render_plain(example: Example, tokenizer) -> Rendered:
         example=example,
         input_ids=prefix_ids + suffix_ids,
         question_start=len(prefix_ids),
-        stop_strings=stop_strings_for(tokenizer, example.task, "plain"),
+        stop_strings=_stops(example, tokenizer, "plain"),
     )
 
 
@@ -117,5 +129,5 @@ def render(example: Example, tokenizer, prompt_format: str | None = "auto") -> R
         example=example,
         input_ids=prefix_ids + suffix_ids,
         question_start=len(prefix_ids),
-        stop_strings=stop_strings_for(tokenizer, example.task),
+        stop_strings=_stops(example, tokenizer, "chat"),
     )

@@ -36,6 +36,7 @@ class Example:
     metric: str  # "ruler_all", "ruler_any", "f1", "em"
     target_tokens: int  # requested context length in model tokens (0 for real datasets)
     answer_prefix: str = ""  # start of the assistant turn (RULER's answer prefix); the model continues it
+    stop_strings: tuple[str, ...] | None = None  # task=jsonl's own stops (None: render.stop_strings_for's defaults)
 
 
 # word lists, as one string each for compactness
