@@ -21,14 +21,15 @@ help: ## list the targets
 # packaged data included (`make lock-deps` rebuilds it). --no-deps: nothing outside the lock is resolved, so no
 # CUDA build of torch can be pulled in. The lock is for CPython 3.11 with torch's CPU wheel (2.13.0+cpu); outside
 # an environment that has that wheel locally, pass PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
-# A changed lock rebuilds the virtual environment from scratch, so no package outside the lock stays behind.
+# A changed lock rebuilds the virtual environment from scratch, so no package outside the lock stays behind (the
+# lock it was built from is kept in $(VENV)/requirements.lock); a changed pyproject.toml only reinstalls kvcert.
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install CPython 3.11 (the lock's Python) or set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "error: $(PYTHON) is not CPython 3.11, which requirements.lock is for; set PYTHON=python3.11 (or pip install -e . into your own environment, unpinned)"; exit 1; }
-	rm -rf $(VENV)
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q pip==$(PIP_VERSION)
-	$(PY) -m pip install -q --no-deps -r requirements.lock $(PIP_ARGS)
+	cmp -s requirements.lock $(VENV)/requirements.lock || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) \
+		&& $(PY) -m pip install -q pip==$(PIP_VERSION) \
+		&& $(PY) -m pip install -q --no-deps -r requirements.lock $(PIP_ARGS) \
+		&& cp requirements.lock $(VENV)/requirements.lock; }
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
