@@ -12,7 +12,7 @@ PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock-deps regenerate-check test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
+.PHONY: help install lock-deps regenerate-check gpu-check test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -89,6 +89,9 @@ analyze: $(STAMP) ## recompute both studies' tables, figures and the scorecard f
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)
 	$(PY) -m kvcert.bench $(BENCH_ARGS)
+
+gpu-check: $(STAMP) ## on a GPU machine, under 5 minutes: the CUDA-marked tests and a small decode bench (-> results/bench/gpu_check.json)
+	$(PY) -m kvcert.bench.gpu_check
 
 cluster-check: $(STAMP) ## install the cluster extra; a 2-cell sweep via submitit (local) and Ray (local head) must equal basic's records
 	$(PY) -m kvcert.bench.cluster_check --install

@@ -13,23 +13,13 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 # ------------------------------------------------------------------------------ optional toolchains, thread count
 def fused_kernel_toolchain() -> str | None:
-    """Why the fused decode kernel (kvcert.hf.fused, built by torch's cpp_extension) cannot be built here, or None:
+    """Why the compiled decode kernel (kvcert.hf.kernel, built by torch's cpp_extension) cannot be built here, or None:
     it needs the C++ compiler torch calls ($CXX, default c++) and ninja on the PATH."""
     missing = [tool for tool in (os.environ.get("CXX", "c++"), "ninja") if shutil.which(tool) is None]
     return f"the fused decode kernel needs a C++ compiler and ninja; missing: {', '.join(missing)}" if missing else None
 
 
-def mkl_packed_gemm() -> str | None:
-    """Why MKL's packed GEMM (kvcert.hf.packed, decode.packed_weights) is unavailable in this torch, or None."""
-    if not torch.backends.mkl.is_available():
-        return "this torch build has no MKL (torch.backends.mkl.is_available() is False)"
-    if not hasattr(torch.ops.mkl, "_mkl_linear"):
-        return "this torch build has no torch.ops.mkl._mkl_linear (MKL packed GEMM)"
-    return None
-
-
 needs_cxx = pytest.mark.skipif(fused_kernel_toolchain() is not None, reason=str(fused_kernel_toolchain()))
-needs_mkl = pytest.mark.skipif(mkl_packed_gemm() is not None, reason=str(mkl_packed_gemm()))
 
 
 @pytest.fixture

@@ -142,37 +142,25 @@ def test_on_step_is_called_after_every_decode_forward():
 def test_before_after_options():
     from kvcert.hf import DecodeOptions
 
-    opts = DecodeOptions(max_new_tokens=7)
-    names = {f.name for f in dataclasses.fields(DecodeOptions)}
-    before, after = before_after_options(opts)
-    if {"one_batch", "drop_finished"} <= names:
-        assert (before.one_batch, before.drop_finished, after.one_batch, after.drop_finished) == (
-            False,
-            False,
-            True,
-            True,
-        )
-    else:
-        assert before is opts and after is None
+    before, after = before_after_options(DecodeOptions(max_new_tokens=7))
+    assert (before.backend, after.backend, before.max_new_tokens, after.max_new_tokens) == ("torch", "compiled", 7, 7)
 
     @dataclasses.dataclass(frozen=True)
-    class Future:
+    class Older:
         max_new_tokens: int = 3
-        one_batch: bool = True
-        drop_finished: bool = True
 
-    b, a = before_after_options(Future())
-    assert (b.one_batch, b.drop_finished, a.one_batch, a.drop_finished) == (False, False, True, True)
+    opts = Older()
+    assert before_after_options(opts) == (opts, None)
 
 
 # ---------------------------------------------------------------------------------------------- end to end
-@needs_cxx  # "after" turns every speed switch on, the compiled kernel included
+@needs_cxx  # "after" is the compiled backend
 def test_examples_section_on_real_confirmatory_examples(tiny_smol):
     model, tok = tiny_smol
     cfg = BenchConfig(example_tasks=2, example_lengths=(400,), example_per_cell=1, example_reps=1)
     out = bench_examples(model, tok, cfg, "cpu", lambda m: None)
     assert out["variants"] == 21 and out["examples"] == 2 and len(out["tasks"]) == 2
-    assert out["available_after"]  # today's DecodeOptions has every speed switch
+    assert out["available_after"]  # DecodeOptions has a backend to switch
     seconds = {m: [r["seconds"] for r in out["rows"] if r["mode"] == m] for m in ("before", "after")}
     assert len(seconds["before"]) == len(seconds["after"]) == 2
     for mode in ("before", "after"):
@@ -180,30 +168,7 @@ def test_examples_section_on_real_confirmatory_examples(tiny_smol):
         assert out[mode]["examples_per_hour"] == pytest.approx(3600 / out[mode]["seconds_per_example"])
         assert out[mode]["median_s"] == pytest.approx(statistics.median(seconds[mode]))
     assert out["example_speedup"] == pytest.approx(sum(seconds["before"]) / sum(seconds["after"]))
-    assert out["answers_identical"] == 1.0  # the speed switches change no answer
-
-
-@needs_cxx  # the DecodeOptions' own speed switches are toggled too, the compiled kernel included
-def test_examples_section_measures_after_when_options_have_the_fields(monkeypatch):
-    """With a DecodeOptions that has one_batch / drop_finished (the lead's interface), both modes run interleaved and
-    example_speedup is their ratio; today's decode ignores the fields, so the answers must be identical."""
-    import kvcert.hf.generate as gen
-
-    @dataclasses.dataclass(frozen=True)
-    class FutureOptions(gen.DecodeOptions):
-        one_batch: bool = True
-        drop_finished: bool = True
-
-    monkeypatch.setattr(gen, "DecodeOptions", FutureOptions)
-    model, _ = tiny_random_model("llama")
-    cfg = BenchConfig(example_tasks=1, example_lengths=(96,), example_per_cell=2, example_reps=1)
-    out = bench_examples(model, None, cfg, "cpu", lambda m: None)
-    assert out["available_after"] and out["examples"] == 2
-    before = sum(r["seconds"] for r in out["rows"] if r["mode"] == "before")
-    after = sum(r["seconds"] for r in out["rows"] if r["mode"] == "after")
-    assert out["example_speedup"] == pytest.approx(before / after)
-    assert out["after"]["examples_per_hour"] == pytest.approx(3600 / (after / 2))
-    assert out["answers_identical"] == 1.0
+    assert out["answers_identical"] == 1.0  # the backend changes no answer
 
 
 def test_cluster_check_compare(tmp_path):
@@ -322,3 +287,15 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         assert text in md, text
     assert "Hot-path" not in md
     assert (tmp_path / "s.png").stat().st_size > 0 and (tmp_path / "bench_roofline.png").stat().st_size > 0
+
+
+def test_gpu_check_bench_row_on_cpu():
+    """The GPU bench's measurement runs on any device: a step time, and compressed caches that hold less than the
+    prompt's full K/V of every variant would."""
+    from kvcert.bench.gpu_check import bench
+
+    model, _ = tiny_random_model("llama", max_position_embeddings=2048)
+    row = bench(model, 512, 4, True, device="cpu")
+    assert row["step_s"] > 0 and row["peak_gpu_bytes"] is None
+    full_kv = 4 * 2 * model.config.num_hidden_layers * 2 * 512 * 16 * 4  # variants x K/V x layers x Hkv x n x d x fp32
+    assert 0 < row["kv_bytes_held"] < full_kv

@@ -55,29 +55,36 @@ def test_bad_configs_name_the_key(overrides, message):
 
 
 def test_folder_names_ignore_speed_switches_and_unset_optional_keys():
-    """Study 1's confirmatory folder keeps its name: decode.one_batch / drop_finished only change speed, and the
-    optional policy keys (compress_after, protect_question) enter the hash only when set."""
+    """Study 1's confirmatory folder keeps its name: decode.backend only changes speed, and the optional policy keys
+    (compress_after, protect_question) enter the hash only when set."""
     cfg = compose(["+claim=c1_coverage"])
     name = "smollm2-135m-instruct__5tasks__1000-2000__claims__b0.25-0.5-0.75__s0__163b0397"
     assert result_name(cfg) == name
-    assert result_name(compose(["+claim=c1_coverage", "decode.one_batch=false", "decode.drop_finished=false"])) == name
-    fast = ["decode.stats_after_forward=true", "decode.keys_transposed=true"]
-    assert result_name(compose(["+claim=c1_coverage", *fast])) == name
-    assert result_name(compose(["+claim=c1_coverage", *fast, "decode.fused_attention=true"])) == name
-    assert decode_options(compose(fast)).stats_after_forward and decode_options(compose(fast)).keys_transposed
-    assert decode_options(compose([*fast, "decode.fused_attention=true"])).fused_attention
+    assert result_name(compose(["+claim=c1_coverage", "decode.backend=torch"])) == name
+    assert decode_options(compose(["decode.backend=compiled"])).backend == "compiled"
     kv = compose(["policy.grid=[{scorer: streaming, designs: [topk], compress_after: context}]"])
     plain = compose(["policy.grid=[{scorer: streaming, designs: [topk]}]"])
     assert result_name(kv) != result_name(plain)
     assert policies(kv)[1].compress_after == "context" and policies(plain)[1].compress_after == "prompt"
 
 
-def test_fused_attention_without_the_fast_path_or_on_cuda_is_one_line():
-    with pytest.raises(ConfigError, match="needs decode.stats_after_forward=true and decode.keys_transposed=true"):
-        validate(compose(["decode.fused_attention=true", "decode.keys_transposed=true"]))
-    fused = ["decode.fused_attention=true", "decode.stats_after_forward=true", "decode.keys_transposed=true"]
+def test_a_saved_config_of_the_two_path_engine_still_matches_its_folder():
+    """Folders whose config.yaml still holds the removed speed switches keep matching (record_content drops them)."""
+    from omegaconf import OmegaConf
+
+    from kvcert.config import REMOVED_SPEED_KEYS, record_content
+
+    content = OmegaConf.to_container(compose(["+claim=c1_coverage"]))
+    old = {**content, "decode": {**content["decode"], **dict.fromkeys(REMOVED_SPEED_KEYS, True), "packed_weights": 0}}
+    assert record_content(old) == record_content(content)
+
+
+def test_bad_backend_or_compiled_on_cuda_is_one_line():
+    with pytest.raises(ConfigError, match="decode.backend") as err:
+        validate(compose(["decode.backend=fused"]))
+    assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="CPU kernel and device=cuda") as err:
-        validate(compose([*fused, "device=cuda"]))
+        validate(compose(["decode.backend=compiled", "device=cuda"]))
     assert "\n" not in str(err.value)
 
 

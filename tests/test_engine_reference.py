@@ -1,7 +1,7 @@
 """The decode engine against an independent float64 reference, on real decode steps of a tiny random model.
 
 What the engine used at every single-token step (query, kept keys / values, offsets -log pi, 1 - pi) is captured by
-spying on the core function it calls (`hajek_attention`, looked up in kvcert.hf.attention) and on the compression
+spying on the bucket's attention step (`Bucket.attend`, on the torch-ops backend) and on the compression
 (`compress`, looked up in kvcert.hf.prefill); nothing under src/ is changed. Every statistic the engine records is
 then recomputed here in float64 from those inputs with a few lines of plain torch (no kvcert function):
 
@@ -56,43 +56,38 @@ def run():
     model, _ = tiny_random_model("llama")
     ids = torch.randint(3, 128, (N,), generator=torch.Generator().manual_seed(0)).tolist()
     prompt = Prompt(input_ids=ids, question_start=QS, example_id="ex-0")
-    calls, comps, batches, context = [], {}, [], {}
+    calls, comps, batches = [], {}, []
 
-    real_hajek = attention_module.hajek_attention
     real_attend = attention_module.Bucket.attend
     real_compress = prefill_module.compress
     real_batch = prefill_module.Prefill.compress
 
-    def hajek_spy(query, keys, values, offset, **kw):
-        res = real_hajek(query, keys, values, offset, **kw)
-        if context:  # a single-token decode step (attend_spy set the context)
-            omp = kw.get("one_minus_pi")
+    def attend_spy(self, layer, query, key, value, scale, **kwargs):
+        out = real_attend(self, layer, query, key, value, scale, **kwargs)
+        # only single-token decode steps with statistics are the engine's certificate / oracle steps
+        if query.shape[-2] == 1 and kwargs.get("stats", False):
+            buf = self.layers[layer]
+            bsz, n_q, _, d = query.shape
+            n_kv = key.shape[1]
+            certified = kwargs["certificate"] and self.certified and buf.compressed
             calls.append(
                 {
-                    **context,
-                    "query": query.double().clone(),
-                    "keys": keys.double().clone(),
-                    "values": values.double().clone(),
-                    "offset": offset.double().clone(),
-                    "one_minus_pi": None if omp is None else omp.double().clone(),
-                    "variance_slots": kw.get("variance_slots"),
-                    "scale": kw["scale"],
-                    "mask": kw.get("mask"),
-                    "output": res.output.double().clone(),
+                    "bucket": self,
+                    "layer": layer,
+                    "position": self.position,
+                    "prefix": buf.prefix,
+                    "query": query.reshape(bsz, n_kv, n_q // n_kv, d).double().clone(),
+                    "keys": buf.key_slots(buf.length).double().clone(),
+                    "values": buf.values[:, :, : buf.length].double().clone(),
+                    "offset": buf.offset[:, :, : buf.length].double().clone(),
+                    "one_minus_pi": buf.one_minus_pi.double().clone() if certified else None,
+                    "variance_slots": buf.tail_slots,
+                    "scale": scale,
+                    "mask": None,
+                    "output": out.reshape(bsz, n_kv, n_q // n_kv, d).double().clone(),
                 }
             )
-        return res
-
-    def attend_spy(self, layer, query, *args, **kwargs):
-        # only single-token decode steps with statistics are the engine's certificate / oracle steps
-        single = query.shape[-2] == 1 and kwargs.get("stats", False)
-        context.clear()
-        if single:
-            context.update(bucket=self, layer=layer, position=self.position, prefix=self.layers[layer].prefix)
-        try:
-            return real_attend(self, layer, query, *args, **kwargs)
-        finally:
-            context.clear()
+        return out
 
     def compress_spy(policy, *args, **kwargs):
         comps[policy.label] = out = real_compress(policy, *args, **kwargs)
@@ -104,23 +99,20 @@ def run():
         return batch
 
     with pytest.MonkeyPatch.context() as mp, no_eos(model):
-        mp.setattr(attention_module, "hajek_attention", hajek_spy)
         mp.setattr(attention_module.Bucket, "attend", attend_spy)
         mp.setattr(prefill_module, "compress", compress_spy)
         mp.setattr(prefill_module.Prefill, "compress", batch_spy)
-        options = DecodeOptions(max_new_tokens=STEPS)  # certificate, oracle and tr(C^2) at every step (defaults)
+        # certificate, oracle and tr(C^2) at every step (defaults); torch ops, so that Bucket.attend runs per bucket
+        options = DecodeOptions(max_new_tokens=STEPS, backend="torch")
         assert options.certificate and options.oracle and options.tight_radius and options.tight_radius_every == 1
-        assert not options.stats_after_forward  # the default path: hajek_attention per layer and bucket
         results = generate_variants(model, None, prompt, POLICIES, options)
 
     # which policy is which row of which bucket
     (batch,) = batches
-    rows_of = {}
-    for part in batch.parts:
-        start = 0
-        for bucket in part.state.buckets:
-            rows_of[id(bucket)] = part.rows[start : start + bucket.batch_size]
-            start += bucket.batch_size
+    rows_of, start = {}, 0
+    for bucket in batch.state.buckets:
+        rows_of[id(bucket)] = batch.rows[start : start + bucket.batch_size]
+        start += bucket.batch_size
     steps = {}  # (policy index, step, layer) -> per-row inputs of that call
     for c in calls:
         for row, pol in enumerate(rows_of[id(c["bucket"])]):

@@ -1,12 +1,11 @@
-"""The decoder: the speed switches (one batch, finished rows leave) change nothing but speed; stop strings."""
-
-from dataclasses import replace
+"""The decoder: a variant's tokens and statistics do not depend on its batch (other variants, rows leaving the
+batch, the backend) beyond float rounding; stop strings."""
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import needs_cxx, needs_mkl
+from conftest import needs_cxx
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
 from kvcert.hf.decode import StopDetector, answer_length
 from kvcert.policy import FULL, Policy
@@ -23,38 +22,43 @@ class _CharTokenizer:
         return "".join(chr(i) for i in ids if not (skip_special_tokens and i == 0))
 
 
-def _variants(model, tokenizer, prompt, one_batch, drop_finished, stops=(), steps=8):
-    policies = [FULL] + [
+POLICIES = (
+    [FULL]
+    + [
         Policy(scorer=s, design=d, budget=b, seed=1)
         for s in ("window_question", "window_context", "streaming", "key_norm")
         for d in ("topk", "randomized")
         for b in (0.3, 0.6)
     ]
-    policies.append(Policy(scorer="streaming", design="randomized", budget=0.5, compress_after="context"))
-    opts = DecodeOptions(max_new_tokens=steps, stop_strings=stops, one_batch=one_batch, drop_finished=drop_finished)
-    return generate_variants(model, tokenizer, prompt, policies, opts)
+    + [Policy(scorer="streaming", design="randomized", budget=0.5, compress_after="context")]
+)
 
 
-@pytest.mark.parametrize("one_batch, drop_finished", [(True, False), (False, True), (True, True)])
-def test_speed_switches_change_nothing_but_float_rounding(tiny_smol, one_batch, drop_finished):
-    """Tokens, answers and answer lengths are identical; statistics agree to 1e-5 absolute (the matmuls see other
-    batch shapes, so float32 summation orders change; the oracle's softmax is split at the context instead of the
-    prompt when the two compression times share a batch)."""
-    model, tok = tiny_smol
-    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
-    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
-    stops = (tok.decode([ids[7]]),)  # a frequent-enough token text so that rows finish at different steps
-    ref = _variants(model, tok, prompt, False, False, stops)
-    new = _variants(model, tok, prompt, one_batch, drop_finished, stops)
+def _assert_same(ref, new, atol=1e-5):
     for a, b in zip(ref, new):
         assert a.policy == b.policy
         assert (a.n_answer, a.answer) == (b.n_answer, b.answer), a.policy.label
         assert a.tokens[: a.n_answer + 1] == b.tokens[: b.n_answer + 1]
-        assert np.allclose(a.logprobs[: a.n_answer + 1], b.logprobs[: b.n_answer + 1], atol=1e-5)
+        assert np.allclose(a.logprobs[: a.n_answer + 1], b.logprobs[: b.n_answer + 1], atol=atol)
         assert a.stats.keys() == b.stats.keys()
         for name in a.stats:
             assert a.stats[name].shape == b.stats[name].shape, (a.policy.label, name)
-            assert np.allclose(a.stats[name], b.stats[name], atol=1e-5, equal_nan=True), (a.policy.label, name)
+            assert np.array_equal(np.isnan(a.stats[name]), np.isnan(b.stats[name])), (a.policy.label, name)
+            assert np.allclose(a.stats[name], b.stats[name], atol=atol, equal_nan=True), (a.policy.label, name)
+
+
+def test_a_variant_decodes_the_same_alone_and_in_the_batch(tiny_smol):
+    """Tokens, answers and answer lengths identical; statistics to 1e-5 absolute (the matmuls see other batch shapes,
+    and the oracle's softmax is split at another point). Rows leave the batch at different steps (stop string)."""
+    model, tok = tiny_smol
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    stops = (tok.decode([ids[7]]),)  # a frequent-enough token text so that rows finish at different steps
+    opts = DecodeOptions(max_new_tokens=8, stop_strings=stops, backend="torch")
+    together = generate_variants(model, tok, prompt, POLICIES, opts)
+    assert len({r.n_answer for r in together}) > 1, "pick another stop string: rows must finish at different steps"
+    alone = [generate_variants(model, tok, prompt, [p], opts)[0] for p in POLICIES]
+    _assert_same(alone, together)
 
 
 def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
@@ -72,9 +76,9 @@ def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
     batch_sizes = []
     forward = decode.forward_with_state
 
-    def spy(model, input_ids, positions, state):
+    def spy(model, input_ids, position, state):
         batch_sizes.append(input_ids.shape[0])
-        return forward(model, input_ids, positions, state)
+        return forward(model, input_ids, position, state)
 
     monkeypatch.setattr(decode, "forward_with_state", spy)
     stop = chr(first[0].tokens[0])  # the full cache's first token ends its answer at once
@@ -82,10 +86,9 @@ def test_finished_rows_leave_the_batch(tiny_smol, monkeypatch):
     assert res[0].n_answer == 0 and res[0].answer == ""
     assert batch_sizes and max(batch_sizes) < len(policies)  # the full-cache row never took a decode step
     monkeypatch.setattr(decode, "forward_with_state", forward)
-    legacy = generate_variants(
-        model, tok, prompt, policies, DecodeOptions(max_new_tokens=4, stop_strings=(stop,), drop_finished=False)
-    )
-    assert [r.answer for r in res] == [r.answer for r in legacy]
+    opts = DecodeOptions(max_new_tokens=4, stop_strings=(stop,))
+    alone = [generate_variants(model, tok, prompt, [p], opts)[0] for p in policies]
+    assert [r.answer for r in res] == [r.answer for r in alone]
 
 
 def test_stop_detector_sees_a_stop_string_spanning_tokens():
@@ -145,27 +148,15 @@ def test_tight_radius_every_refreshes_tr_c2_and_carries_its_ratio_between(tiny_s
         DecodeOptions(tight_radius_every=0)
 
 
-@pytest.mark.parametrize(
-    "every, after_forward, transposed, fused, packed",
-    [
-        (1, True, False, False, False),
-        (3, True, False, False, False),
-        pytest.param(1, False, True, False, True, marks=needs_mkl),
-        (3, True, True, False, False),
-        pytest.param(1, True, True, True, False, marks=needs_cxx),
-        pytest.param(3, True, True, True, True, marks=[needs_cxx, needs_mkl]),
-    ],
-)
-def test_fast_switches_change_nothing_but_float_rounding(
-    tiny_smol, monkeypatch, every, after_forward, transposed, fused, packed
-):
-    """decode.stats_after_forward / keys_transposed / fused_attention / packed_weights: every statistic of every
-    step (certificate, diagnostics, tr(C^2) refreshed or carried, oracle error) equals the default path to float
-    rounding, tokens and answers exactly, with rows leaving the batch between steps; and the deferred path, the
-    fused kernel and the packed linear layers really ran when asked for."""
-    from kvcert.hf import fused as fused_module
-    from kvcert.hf import packed as packed_module
-    from kvcert.hf.attention import Bucket
+@needs_cxx
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_compiled_backend_changes_nothing_but_float_rounding(tiny_smol, monkeypatch, every):
+    """decode.backend=compiled against torch ops: every statistic of every step (certificate, diagnostics, tr(C^2)
+    refreshed or carried, oracle error) to float rounding, tokens and answers exactly, with rows leaving the batch
+    and two compression times (two oracle prefixes); one kernel call per layer and step for all buckets, and one
+    statistics pass per layer group and bucket after the forward."""
+    from kvcert.hf import kernel as kernel_module
+    from kvcert.hf.attention import LayerGroup
 
     model, tok = tiny_smol
     ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -180,39 +171,36 @@ def test_fast_switches_change_nothing_but_float_rounding(
     policies += [  # a second compression time: a second oracle prefix, buckets grouped by it
         Policy(scorer="streaming", design=d, budget=0.5, compress_after="context") for d in ("topk", "randomized")
     ]
-    base = DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=every)
-    ref = generate_variants(model, tok, prompt, policies, base)
-    flushes = []
-    flush = Bucket.flush_stats
+    ref = generate_variants(
+        model,
+        tok,
+        prompt,
+        policies,
+        DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=every, backend="torch"),
+    )
+    flushes, kernel_calls = [], []
+    flush, kernel = LayerGroup.flush, kernel_module.decode_attention
 
-    def spy(self, *args):
-        flushes.append(self.batch_size)
-        return flush(self, *args)
-
-    monkeypatch.setattr(Bucket, "flush_stats", spy)
-    kernel_calls = []
-    kernel = fused_module.decode_attention
+    def flush_spy(self, *args, **kwargs):
+        flushes.append(len(self.layers))
+        return flush(self, *args, **kwargs)
 
     def kernel_spy(*args, **kwargs):
         kernel_calls.append(len(args[3]))  # buckets in the call
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(fused_module, "decode_attention", kernel_spy)
-    packed_calls = []
-    packed_forward = packed_module._packed_forward
-
-    def packed_spy(self, x):
-        packed_calls.append(x.shape[0])
-        return packed_forward(self, x)
-
-    monkeypatch.setattr(packed_module, "_packed_forward", packed_spy)
-    switches = dict(stats_after_forward=after_forward, keys_transposed=transposed, fused_attention=fused)
-    fast = replace(base, packed_weights=packed, **switches)
-    new = generate_variants(model, tok, prompt, policies, fast)
-    assert bool(packed_calls) == packed, "the packed linear layers ran iff asked for"
-    assert not any("forward" in vars(m) for m in model.modules()), "the model's own forwards are restored"
-    assert bool(flushes) == after_forward, "the deferred path ran iff asked for"
-    assert bool(kernel_calls) == fused and (not fused or max(kernel_calls) > 1), "one kernel call for all buckets"
+    monkeypatch.setattr(LayerGroup, "flush", flush_spy)
+    monkeypatch.setattr(kernel_module, "decode_attention", kernel_spy)
+    new = generate_variants(
+        model,
+        tok,
+        prompt,
+        policies,
+        DecodeOptions(max_new_tokens=8, stop_strings=stops, tight_radius_every=every, backend="compiled"),
+    )
+    n_layers = model.config.num_hidden_layers
+    assert flushes and set(flushes) == {n_layers}, "one pass over all layers of a group"
+    assert kernel_calls and max(kernel_calls) > 1, "one kernel call for all buckets"
     assert any(r.n_answer < 8 for r in ref), "pick another stop string: some row must leave the batch"
     for a, b in zip(ref, new):
         assert (a.tokens[: a.n_answer + 1], a.n_answer, a.answer) == (b.tokens[: b.n_answer + 1], b.n_answer, b.answer)

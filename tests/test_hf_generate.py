@@ -103,23 +103,23 @@ def test_layer0_output_is_the_hajek_formula_over_the_oracle_cache(monkeypatch):
     seen = {}
     original = Bucket.attend
 
-    def spy(self, layer, query, key, value, scale, window, **kwargs):
-        out, step = original(self, layer, query, key, value, scale, window, **kwargs)
+    def spy(self, layer, query, key, value, scale, **kwargs):
+        out = original(self, layer, query, key, value, scale, **kwargs)
         if layer == 0 and query.shape[-2] == 1 and "q" not in seen:
             buf = self.layers[0]
             seen.update(
                 q=query.clone(),
                 out=out.clone(),
-                keys=buf.keys[:, :, : buf.length].clone(),
+                keys=buf.key_slots(buf.length).clone(),
                 values=buf.values[:, :, : buf.length].clone(),
                 offset=buf.offset[:, :, : buf.length].clone(),
-                oracle_k=self._oracle_kt[0].transpose(-1, -2)[None].clone(),
+                oracle_k=self.groups[0].oracle[0][0].transpose(-1, -2)[None].clone(),
             )
-        return out, step
+        return out
 
     monkeypatch.setattr(Bucket, "attend", spy)
     policy = Policy(scorer="window_question", design="randomized", budget=0.4, seed=1)
-    generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=2))
+    generate_variants(model, None, ids, [policy], DecodeOptions(max_new_tokens=2, backend="torch"))
     # direct float64 Hajek ratio: sum (w/pi) v / sum (w/pi) over the kept tokens, the kept (k, v) being rows of
     # the oracle (full-prefill) cache, pi = exp(-offset)
     q = seen["q"][0].double()  # (Hq, 1, d)

@@ -27,9 +27,9 @@ def _prompt(seed=0):
     return Prompt(input_ids=ids, question_start=QS, example_id="g")
 
 
-@pytest.mark.parametrize("one_batch, fast", [(True, False), (False, False), (True, True)])
-def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch, fast):
-    """fast: the opt-in fast path (keys stored transposed; statistics stay per layer on a hybrid model)."""
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_keep_all_on_a_hybrid_model_reproduces_transformers(backend):
+    """Both backends; the full-attention and the sliding-window layers form two layer groups of one engine."""
     model = tiny_gemma3()
     prompt = _prompt()
     ref_tokens, ref_lp = hf_greedy(model, prompt.input_ids, STEPS)
@@ -38,7 +38,7 @@ def test_keep_all_on_a_hybrid_model_reproduces_transformers(one_batch, fast):
         for s in ("window_question", "window_context")
         for d in ("topk", "randomized", "uniform")
     ]
-    opts = DecodeOptions(max_new_tokens=STEPS, one_batch=one_batch, stats_after_forward=fast, keys_transposed=fast)
+    opts = DecodeOptions(max_new_tokens=STEPS, backend=backend)
     for r in generate_variants(model, None, prompt, policies, opts):
         assert r.tokens == ref_tokens, r.policy.label
         assert max(abs(a - b) for a, b in zip(r.logprobs, ref_lp)) < 1e-5, r.policy.label

@@ -1,6 +1,6 @@
-"""The opt-in fused decode kernel (decode.fused_attention, kvcert/hf/fused.py) against an exact float64 computation of
-what it must produce, and its errors. The end-to-end check (every statistic equal to the default path's) is in
-tests/test_hf_decode.py::test_fast_switches_change_nothing_but_float_rounding."""
+"""The compiled backend of the decode engine (decode.backend=compiled, kvcert/hf/kernel.py) against an exact float64
+computation of what it must produce, -inf padding inside the filled length included (the build uses -ffast-math),
+and its errors. End to end (every statistic equal to the torch-ops backend's): tests/test_hf_decode.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import needs_cxx
-from kvcert.hf import fused
+from kvcert.hf import kernel as fused
 
 
 def _bucket(gen, rows, n_kv, d, capacity, length, tail_slots, oracle_capacity=0):
@@ -20,6 +20,8 @@ def _bucket(gen, rows, n_kv, d, capacity, length, tail_slots, oracle_capacity=0)
     offset = torch.zeros(rows, n_kv, capacity)
     offset[..., :tail_slots] = -pi.log()
     offset[..., length:] = float("-inf")
+    if rows > 1:  # a narrower row of the bucket: padding (-inf) inside the filled length, before the head's end
+        offset[1, :, tail_slots + 1 : length - 2] = float("-inf")
     own = torch.zeros(rows, n_kv, oracle_capacity, d), torch.zeros(rows, n_kv, oracle_capacity, d)
     return dict(keys=keys, values=values, offset=offset, omp=1 - pi, length=length, s=tail_slots, own=own)
 
@@ -113,15 +115,55 @@ def test_a_kernel_that_cannot_build_says_how_to_go_on(tmp_path, monkeypatch):
     monkeypatch.setattr(fused, "SOURCE", bad)
     fused.kernel.cache_clear()
     try:
-        with pytest.raises(RuntimeError, match=r"could not build its C\+\+ kernel .*decode.fused_attention=false"):
+        with pytest.raises(RuntimeError, match=r"could not build its C\+\+ kernel .*decode.backend=torch"):
             fused.kernel()
     finally:
         fused.kernel.cache_clear()
 
 
-def test_fused_attention_needs_the_fast_path_switches():
+def test_backend_option_is_checked():
     from kvcert.hf import DecodeOptions
 
-    with pytest.raises(ValueError, match="needs stats_after_forward=True and keys_transposed=True"):
-        DecodeOptions(fused_attention=True, stats_after_forward=True)
-    assert DecodeOptions(fused_attention=True, stats_after_forward=True, keys_transposed=True).fused_attention
+    with pytest.raises(ValueError, match="backend='fused'; choose one of auto, torch, compiled"):
+        DecodeOptions(backend="fused")
+
+
+@needs_cxx
+def test_both_backends_decode_the_same_tokens_and_statistics():
+    """The compiled kernel and torch ops fill the same work buffers; the statistics after the forward are one code
+    path. Tokens identical, every statistic equal to float rounding."""
+    from kvcert.hf import DecodeOptions, Prompt, generate_variants, tiny_random_model
+    from kvcert.policy import FULL, Policy
+
+    model, _ = tiny_random_model("llama")
+    ids = torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=280, example_id="ex")
+    policies = [FULL] + [
+        Policy(scorer=sc, design=de, budget=b, seed=1)
+        for sc in ("window_question", "window_context")
+        for de in ("topk", "randomized")
+        for b in (0.25, 0.5)
+    ]
+    runs = {b: generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=5, backend=b))
+            for b in ("torch", "compiled")}  # fmt: skip
+    for a, b in zip(runs["torch"], runs["compiled"]):
+        assert a.tokens == b.tokens, a.policy.label
+        for name, arr in a.stats.items():
+            torch.testing.assert_close(
+                torch.from_numpy(b.stats[name]), torch.from_numpy(arr), rtol=1e-4, atol=1e-6, equal_nan=True
+            )
+
+
+def test_auto_falls_back_to_torch_with_one_line_when_the_kernel_cannot_build(monkeypatch, capsys):
+    from kvcert.hf import prefill
+    from kvcert.hf.loading import tiny_random_model
+
+    model, _ = tiny_random_model("llama")
+    monkeypatch.setattr(fused, "available", lambda: "no compiler here")
+    prefill._announce.cache_clear()
+    like = torch.zeros(1)
+    assert prefill.resolve_backend("auto", like, model.config) == "torch"
+    assert "decode backend: torch (no compiler here)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="decode.backend=compiled cannot run: no compiler here"):
+        prefill.resolve_backend("compiled", like, model.config)
+    prefill._announce.cache_clear()

@@ -38,7 +38,7 @@ def test_study1_settings_are_the_confirmatory_profile():
     assert list(registry(st["predictions"], st["claims"])) == list(registry())
     s2 = rep.settings("study2", "smoke")
     assert s2["out"] == rep.ROOT / "results" / "study2" / "smoke"
-    assert "decode.one_batch=true" in s2["overrides"] and s2["overrides"][-1] == "threads=2"
+    assert s2["overrides"][-1] == "threads=2"
     assert f"results_dir={s2['out'] / 'runs'}" in s2["overrides"]
     with pytest.raises(ValueError, match="unknown study"):
         rep.settings("study3")
@@ -74,7 +74,7 @@ def study2_tree(tmp_path, monkeypatch):
 def test_nested_claim_option_composes(study2_tree):
     cfg = rep.compose_claim("study2/c1_fast", rep.settings("study2")["overrides"])
     assert cfg.claim.id == "C1" and cfg.seed == 2000 and cfg.threads == 1
-    assert cfg.decode.one_batch and cfg.decode.drop_finished
+    assert cfg.decode.backend == "auto"
     assert list(cfg.task.tasks) == ["single_needle"]  # the claim's `override /task` applied, then the overrides
     # study 1's registry reads the top level only: the nested folder is not one of its experiments
     assert "c1_fast" not in {e.experiment for e in registry(rep.PREDICTIONS, rep.CONF / "claim").values()}

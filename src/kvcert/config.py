@@ -15,17 +15,10 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
 from kvcert.policy import DESIGN_NAMES, FULL, SCORER_NAMES, Policy
 
-# change speed, not records: left out of folder hashes
-SPEED_ONLY_KEYS = {
-    "decode": (
-        "one_batch",
-        "drop_finished",
-        "stats_after_forward",
-        "keys_transposed",
-        "fused_attention",
-        "packed_weights",
-    )
-}
+# change speed, not records: left out of folder hashes. The removed speed switches of the earlier two-path engine
+# are listed too, so that folders whose saved config.yaml still holds them keep matching their config
+REMOVED_SPEED_KEYS = ("one_batch", "drop_finished", "stats_after_forward", "keys_transposed", "fused_attention")
+SPEED_ONLY_KEYS = {"decode": ("backend", *REMOVED_SPEED_KEYS, "packed_weights")}
 # hashed only when not the default, so folders of earlier configs keep their names
 JSONL_DEFAULTS = {
     "path": None,
@@ -113,12 +106,7 @@ class DecodeConfig:
     tight_radius_every: int = 1  # tr(C^2) every k-th step; between, tr(C^2) / V_hat^2 is carried (cheaper)
     context_window: int = 32
     pool_kernel: int = 5
-    one_batch: bool = True  # speed only (not hashed): both compression times decode as one batch
-    drop_finished: bool = True  # speed only (not hashed): finished variants leave the batch
-    stats_after_forward: bool = False  # speed only (not hashed): statistics of all layers at once after the forward
-    keys_transposed: bool = False  # speed only (not hashed): keys stored (d, slots), q K^T a plain GEMM
-    fused_attention: bool = False  # speed only (not hashed): one compiled kernel per layer and step (CPU)
-    packed_weights: bool = False  # speed only (not hashed): linear layers through MKL's packed GEMM (CPU)
+    backend: str = "auto"  # speed only (not hashed): auto | torch | compiled (the CPU kernel), kvcert.hf.decode
 
 
 @dataclass
@@ -194,12 +182,9 @@ def validate(cfg: DictConfig) -> None:
         raise ConfigError(
             f"decode.tight_radius_every={cfg.decode.tight_radius_every} must be >= 1 (1 = tr(C^2) at every step)"
         )
-    if cfg.decode.fused_attention and not (cfg.decode.stats_after_forward and cfg.decode.keys_transposed):
-        raise ConfigError(
-            "decode.fused_attention=true needs decode.stats_after_forward=true and decode.keys_transposed=true"
-        )
-    if cfg.decode.fused_attention and not cfg.device.startswith("cpu"):
-        raise ConfigError(f"decode.fused_attention=true is a CPU kernel and device={cfg.device}; set it to false")
+    _one_of("decode.backend", cfg.decode.backend, {"auto", "torch", "compiled"})
+    if cfg.decode.backend == "compiled" and not cfg.device.startswith("cpu"):
+        raise ConfigError(f"decode.backend=compiled is a CPU kernel and device={cfg.device}; set decode.backend=auto")
 
 
 def _validate_jsonl(task: DictConfig) -> None:

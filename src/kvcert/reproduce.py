@@ -21,10 +21,10 @@ complete.
 
 Studies (STUDIES; `--study`, default study1; the Makefile passes `--study all`):
 
-- study1: preregistration/predictions.yaml, conf/claim/*.yaml (top level only), out results/, the decode path that
-  produced its locked records (decode.one_batch=false, decode.drop_finished=false), lock preregistration/LOCK.json.
+- study1: preregistration/predictions.yaml, conf/claim/*.yaml (top level only), out results/, lock
+  preregistration/LOCK.json.
 - study2: preregistration/study2/predictions.yaml, conf/claim/study2/*.yaml (composed as +claim=study2/<name>, each
-  file `# @package _global_`), out results/study2/, the fast decode path (one_batch, drop_finished), lock
+  file `# @package _global_`), out results/study2/, lock
   preregistration/study2/LOCK.json. Its C1-C7 and T1 are analysed by the same locked code as study 1's (the same
   predictions schema); the secondary predictions S1-S5 and the two-study scorecard are kvcert.studies.
 
@@ -55,9 +55,9 @@ from kvcert.studies.published import load_published, write_published
 CONF = config_dir()  # the checkout's conf/, or the copy in the installed wheel
 PREDICTIONS = ROOT / "preregistration" / "predictions.yaml"
 PROFILES = {
-    # study 1 decodes through the path that produced its locked results (two decode batches, finished rows kept in
-    # the batch): the speed switches change float rounding, and its records must be regenerated bit for bit
-    "confirmatory": {"out": ROOT / "results", "overrides": ["decode.one_batch=false", "decode.drop_finished=false"]},
+    # both studies decode through the one engine; their records are regenerated within the declared tolerances
+    # (kvcert.studies.regenerate), the bit-exact code is at the tags study1-records / study2-records
+    "confirmatory": {"out": ROOT / "results", "overrides": []},
     # tiny data, same grid: exercises every design and every analysis, verdicts mostly inconclusive
     "smoke": {
         "out": ROOT / "results" / "smoke",
@@ -89,7 +89,7 @@ STUDIES: dict[str, dict] = {
         "claims": CONF / "claim" / "study2",
         "prefix": "study2/",
         "out": ROOT / "results" / "study2",
-        "overrides": ["decode.one_batch=true", "decode.drop_finished=true"],
+        "overrides": [],
         "threads": 2,  # pinned by conf/claim/study2/*.yaml (PLAN.md D4)
         "lock": "study2",
         "scorecard": ROOT / "results" / "study2",

@@ -200,12 +200,7 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
         tight_radius_every=d.tight_radius_every,
         context_window=d.context_window,
         pool_kernel=d.pool_kernel,
-        one_batch=d.one_batch,
-        drop_finished=d.drop_finished,
-        stats_after_forward=d.stats_after_forward,
-        keys_transposed=d.keys_transposed,
-        fused_attention=d.fused_attention,
-        packed_weights=d.packed_weights,
+        backend=d.backend,
     )
 
 

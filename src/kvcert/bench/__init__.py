@@ -12,9 +12,10 @@ OMP_WAIT_POLICY measurements in fresh processes), `report` (markdown and figures
 
 Sections of `results/bench/bench_<device>.md`: 1. shared prefill + batched variants vs re-prefilling per variant;
 2. decode-step cost of plain / certificate / certificate + oracle and the attention kernel alone; 3. scaling
-slopes; 4. peak memory; 5. thread settings; 6. seconds per confirmatory example (21 variants) before / after
-(`DecodeOptions.one_batch` / `drop_finished`); 7. the roofline. Headline keys of the JSON:
+slopes; 4. peak memory; 5. thread settings; 6. seconds per confirmatory example (21 variants) on the torch-ops
+backend / the compiled backend (`decode.backend`); 7. the roofline. Headline keys of the JSON:
 `shared_prefill_speedup`, `certificate_overhead`, `roofline_multiple`, `example_speedup`.
+`python -m kvcert.bench.gpu_check` (`make gpu-check`): the CUDA tests and a small decode bench on a GPU.
 """
 
 from kvcert.bench.cli import bench_integration, main, run_bench

@@ -11,19 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.config import SPEED_ONLY_KEYS
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 QUESTION_TOKENS = 40
 SCORERS = ("window_question", "window_context", "streaming")
 DESIGNS = ("topk", "randomized")
 BUDGETS = (0.25, 0.5, 0.75, 0.9)
-# DecodeOptions fields the before/after comparison toggles: the first two must exist, the others where they do
-AFTER_FIELDS = SPEED_ONLY_KEYS["decode"]  # every speed-only decode switch
-# the opt-in fast decode (README, Performance): deferred statistics and (d, slots) keys in torch ops ...
-TORCH_FAST_PATH = dict(stats_after_forward=True, keys_transposed=True)
-# ... plus the compiled per-layer attention kernel and MKL-packed linear layers: every speed switch on
-FAST_PATH = dict(TORCH_FAST_PATH, fused_attention=True, packed_weights=True)
+# the decode engine's two backends: torch ops, and the compiled CPU kernel for single-token steps
+TORCH_FAST_PATH = dict(backend="torch")
+FAST_PATH = dict(backend="compiled")
 
 
 @dataclass(frozen=True)
@@ -173,8 +168,8 @@ def run_generate(model, ids, qs, policies, opts, device, tokenizer=None):
     """(total seconds, seconds per decode step of the whole variant set, results)."""
     from kvcert.hf import Prompt, generate_variants
 
-    if torch.device(device).type != "cpu" and getattr(opts, "fused_attention", False):
-        opts = dataclasses.replace(opts, fused_attention=False, packed_weights=False)  # CPU-only switches
+    if torch.device(device).type != "cpu" and getattr(opts, "backend", "auto") == "compiled":
+        opts = dataclasses.replace(opts, backend="auto")  # the compiled kernel is a CPU kernel
     timer = StepTimer(device)
     sync(device)
     t0 = time.perf_counter()
@@ -185,14 +180,8 @@ def run_generate(model, ids, qs, policies, opts, device, tokenizer=None):
 
 
 def before_after_options(opts) -> tuple[object, object | None]:
-    """(before, after): `before` is the unoptimised decode (every AFTER_FIELDS switch False); `after` sets them True.
-    On a DecodeOptions without one_batch / drop_finished `before` is the options unchanged and `after` is None
-    ('n/a'); later switches are toggled where the DecodeOptions has them."""
-    names = {f.name for f in dataclasses.fields(opts)}
-    if not set(AFTER_FIELDS[:2]) <= names:
+    """(before, after) = the decode engine on torch ops, and on the compiled CPU kernel (what the kernel adds).
+    On a DecodeOptions without `backend`, `before` is the options unchanged and `after` is None ('n/a')."""
+    if "backend" not in {f.name for f in dataclasses.fields(opts)}:
         return opts, None
-    fields = [f for f in AFTER_FIELDS if f in names]
-    return (
-        dataclasses.replace(opts, **dict.fromkeys(fields, False)),
-        dataclasses.replace(opts, **dict.fromkeys(fields, True)),
-    )
+    return dataclasses.replace(opts, backend="torch"), dataclasses.replace(opts, backend="compiled")

@@ -296,10 +296,6 @@ def bench_examples(model, tokenizer, cfg, device, log) -> dict:
         device,
         tokenizer,
     )
-    if after0 is not None and getattr(after0, "packed_weights", False):
-        from kvcert.hf.packed import packed_weights
-
-        packed_weights(model, len(variants))  # once per model and row count, as in a run of many examples (0.3 s)
     times: dict[str, list[float]] = {k: [] for k in modes}
     rows, same = [], []
     for i, p in enumerate(prompts):

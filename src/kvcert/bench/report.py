@@ -171,7 +171,7 @@ def write_markdown(res: dict, path: Path) -> None:
             "**GPU figures were not measured**: no GPU was available. The CUDA/bf16 path (`--device cuda "
             "--dtype bfloat16`) keeps bf16 weights and runs the compressed-cache attention, certificate and "
             "oracle in fp32; it is correct by inspection only. On CUDA the fast path is the torch-op one "
-            "(`fused_attention` and `packed_weights` are CPU-only and are switched off there).",
+            "(the compiled backend is CPU-only and is switched to `auto` there).",
             "",
         ]
     roof = res.get("roofline") or {}
@@ -183,9 +183,9 @@ def write_markdown(res: dict, path: Path) -> None:
         "|---|---|---|",
         f"| shared prefill speedup ({res['headline']['variants']} variants, {res['headline']['tokens']} tokens) | "
         f"{res['shared_prefill_speedup']:.2f}x | >= 5x |",
-        "| certificate overhead per decode step (oracle off), fast path (`decode.stats_after_forward=true "
-        "decode.keys_transposed=true decode.fused_attention=true decode.packed_weights=true`), vs plain on the fast "
-        f"path | {res['certificate_overhead']:.3f}x | <= 1.15x |",
+        "| certificate overhead per decode step (oracle off), compiled backend (`decode.backend=compiled`), "
+        "vs plain on the same backend "
+        f"| {res['certificate_overhead']:.3f}x | <= 1.15x |",
         "| ... the same vs plain on the default path | "
         f"{_fmt(res.get('certificate_overhead_vs_default_plain'), '.3f', 'x')} | - |",
         "| ... fast path, tight radius refreshed every 8th step (`decode.tight_radius_every=8`), vs plain on the "
@@ -198,7 +198,7 @@ def write_markdown(res: dict, path: Path) -> None:
         f"{_fmt(res.get('certificate_overhead_tight_every8'), '.3f', 'x')} | - |",
         "| fast path speedup (certificate + oracle step, default / fast path) | "
         f"{_fmt(res.get('fast_path_speedup'), '.2f', 'x')} | - |",
-        "| ... of which the compiled kernel and packed weights (fast path in torch ops / fast path) | "
+        "| ... of which the compiled kernel (torch-ops backend / compiled backend) | "
         f"{_fmt(res.get('kernel_speedup'), '.2f', 'x')} | - |",
         f"| certificate overhead, attention kernel alone | {res['attention_only']['ratio']:.3f}x | - |",
         f"| oracle cost (certificate + oracle vs certificate) | {res['oracle_overhead']:.3f}x | - |",
@@ -285,10 +285,8 @@ def write_markdown(res: dict, path: Path) -> None:
             f"{', '.join(ex['tasks'])}, prompt tokens {ex['lengths']}, {ex['examples']} examples x "
             f"{ex['reps']} rep(s), interleaved)",
             "",
-            "Before = the unoptimised decode (`DecodeOptions` with one_batch, drop_finished, stats_after_forward, "
-            "keys_transposed, fused_attention and packed_weights False: question-aware and question-agnostic "
-            "variants decode in two batches, finished variants stay in the batch, statistics per layer and bucket, "
-            "attention in torch ops, plain linear layers); after = all six True. "
+            "Before = the decode engine on torch ops (`decode.backend=torch`); after = on the compiled CPU kernel "
+            "(`decode.backend=compiled`). "
             "Seconds per example = prefill + compression + decode of all variants with "
             "certificate and oracle, EOS and stop strings on (model load excluded).",
             "",
@@ -301,7 +299,11 @@ def write_markdown(res: dict, path: Path) -> None:
                 f"| {k} | {_fmt(v and v['seconds_per_example'])} | {_fmt(v and v['examples_per_hour'], '.0f')} |"
             )
         if not ex.get("available_after"):
-            lines += ["", "'after' is n/a: this checkout's `DecodeOptions` has no `one_batch` / `drop_finished`."]
+            lines += [
+                "",
+                "'after' is n/a: the decode engine has no speed switches left to toggle; compare with the earlier "
+                "two-path engine at its commit (docs/performance.md).",
+            ]
         elif ex.get("answers_identical") is not None:
             lines += ["", f"Answers identical before vs after: {ex['answers_identical']:.1%} of variants."]
     if roof:

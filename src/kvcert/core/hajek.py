@@ -37,6 +37,32 @@ def certificate_radius(variance: torch.Tensor, level: float = 0.95) -> torch.Ten
     return z_value(level) * variance.clamp_min(0).sqrt()
 
 
+def offset_softmax(
+    query: torch.Tensor,
+    keys_t: torch.Tensor,
+    offset: torch.Tensor,
+    *,
+    scale: float,
+    mask: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """p = softmax(q K^T * scale + offset [+ mask]) with the keys given transposed, (..., d, m): the offset
+    attention's weights, written into `out` when given (the decode engine's work buffers). The one place the
+    offset logits are computed."""
+    logits = torch.matmul(query, keys_t).mul_(scale).add_(offset.unsqueeze(-2))
+    if mask is not None:
+        logits.add_(mask)
+    return torch.softmax(logits, -1, out=out) if out is not None else logits.softmax(-1)
+
+
+def variance_from_sums(
+    a_sq_norms: torch.Tensor, a_values: torch.Tensor, output: torch.Tensor, a_sum: torch.Tensor
+) -> torch.Tensor:
+    """V_hat = sum a ||v - o||^2 = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a, with a = (1 - pi) p^2 on the tail:
+    the certificate from three tail sums (one extra matmul over the tail), clamped at 0 against rounding."""
+    return (a_sq_norms - 2 * (output * a_values).sum(-1) + output.square().sum(-1) * a_sum).clamp_min(0)
+
+
 def hajek_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -56,10 +82,7 @@ def hajek_attention(
     stops there, which is exact because 1 - pi = 0 everywhere after.
     value_sq_norms: ||v_i||^2 (..., m), cached by callers that reuse the same values at every step.
     """
-    logits = (query @ keys.transpose(-1, -2)) * scale + offset.unsqueeze(-2)
-    if mask is not None:
-        logits = logits + mask
-    weights = logits.softmax(-1)
+    weights = offset_softmax(query, keys.transpose(-1, -2), offset, scale=scale, mask=mask)
     output = weights @ values
     if one_minus_pi is None:
         return HajekResult(output, weights, None)
@@ -67,12 +90,9 @@ def hajek_attention(
     if value_sq_norms is None:
         value_sq_norms = values[..., :s, :].square().sum(-1)
     a = one_minus_pi[..., :s].unsqueeze(-2) * weights[..., :s].square()  # (..., T, s)
-    # sum a ||v - o||^2 = sum a ||v||^2 - 2 o . (sum a v) + ||o||^2 sum a   (one extra matmul over the tail only)
-    variance = (
-        (a * value_sq_norms[..., :s].unsqueeze(-2)).sum(-1)
-        - 2 * (output * (a @ values[..., :s, :])).sum(-1)
-        + output.square().sum(-1) * a.sum(-1)
-    ).clamp_min(0)
+    variance = variance_from_sums(
+        (a * value_sq_norms[..., :s].unsqueeze(-2)).sum(-1), a @ values[..., :s, :], output, a.sum(-1)
+    )
     return HajekResult(output, weights, variance)
 
 

@@ -1,20 +1,14 @@
 """Greedy decoding of a batch of compressed variants, with the certificate and oracle statistics of every step.
 
-`DecodeOptions` is the one place the decoding defaults live. Four switches only change speed, not results (see
-README, Performance): `one_batch` decodes the question-aware and question-agnostic variants as one batch (one
-forward per step for all), `drop_finished` compacts finished variants out of the batch so no attention,
-certificate or oracle work is spent on them. With either on, a variant's numbers match the unoptimised path to
-float tolerance: the matmuls see other batch shapes, so summation orders change (tests/test_hf_decode.py).
-The third, `stats_after_forward` (off by default, so the studies' records stay bit for bit), computes the per-step
-statistics of all layers in one pass after the forward instead of inside each layer: the same formulas on stacked
-tensors, a few dozen kernels per step instead of a few dozen per layer and bucket; `keys_transposed` (off by
-default, same reason) stores the compressed keys as (d, slots), so that q K^T is a GEMM without a transposed
-operand (1.7-2x faster for this small-M shape with MKL on CPU). The fifth, `fused_attention` (off by default; needs
-the two before it, CPU only), runs each layer's single-token step for every bucket as one compiled C++ kernel
-(`kvcert.hf.fused`, built on first use with the machine's C++ compiler and ninja) instead of a dozen torch ops per
-bucket; same statistics to float rounding. The sixth, `packed_weights` (off by default, CPU), runs the model's
-float32 linear layers through MKL's pre-packed GEMM (`kvcert.hf.packed`): bit-identical outputs on this machine's
-checks, 1.15-1.35x faster linear layers at decode shapes, at the cost of a packed copy of the weights.
+`DecodeOptions` is the one place the decoding defaults live. Every option has a meaning for the records (what is
+computed, how long answers run) except `backend`, which chooses how the single-token attention step is computed:
+"auto" (the default) takes the compiled CPU kernel (`kvcert.hf.kernel`) when it builds and the cache is float32 on
+the CPU, torch ops otherwise, and says which once; "torch" / "compiled" force one. Both fill the same buffers and
+the statistics after the forward are one code path, so they agree to float rounding (tests/test_hf_decode.py).
+
+Finished variants leave the batch (in batches: compaction copies every buffer), so no attention, certificate or
+oracle work is spent on them. The decoder syncs with the device once per step (the new tokens, for the end-of-answer
+checks); the statistics stay on the device until the end.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
-from kvcert.hf.attention import CompressedState, StepStats, forward_with_state
+from kvcert.hf.attention import CompressedState, forward_with_state
 from kvcert.policy import Policy
 
 STAT_NAMES = (
@@ -43,6 +37,9 @@ STAT_NAMES = (
 )
 
 
+BACKENDS = ("auto", "torch", "compiled")
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecodeOptions:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -51,23 +48,15 @@ class DecodeOptions:
     certificate: bool = True
     context_window: int = 32  # window of the question-agnostic scorer (last context tokens)
     pool_kernel: int = 5
-    tight_radius: bool = True  # tr(C^2) for the tight radius (the costliest certificate statistic; README)
+    tight_radius: bool = True  # tr(C^2) for the tight radius (the costliest certificate statistic)
     tight_radius_every: int = 1  # tr(C^2) at every k-th decode step; between, its ratio to V_hat^2 is carried
-    one_batch: bool = True
-    drop_finished: bool = True
-    stats_after_forward: bool = False  # per-step statistics of all layers at once after the forward (fewer kernels)
-    keys_transposed: bool = False  # compressed keys stored (d, slots): q K^T is a plain GEMM, ~1.7x faster on CPU
-    fused_attention: bool = False  # one compiled kernel per layer and step (CPU; needs the two switches above)
-    packed_weights: bool = False  # linear layers through MKL's packed GEMM (CPU; a packed copy of the weights)
+    backend: str = "auto"  # auto | torch | compiled: how the single-token attention step is computed
 
     def __post_init__(self) -> None:
-        if self.fused_attention and not (self.stats_after_forward and self.keys_transposed):
-            raise ValueError(
-                "fused_attention=True needs stats_after_forward=True and keys_transposed=True "
-                "(decode.stats_after_forward=true decode.keys_transposed=true)"
-            )
         if not isinstance(self.tight_radius_every, int) or self.tight_radius_every < 1:
             raise ValueError(f"tight_radius_every={self.tight_radius_every!r} must be an integer >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
 @dataclass(kw_only=True)
@@ -144,13 +133,9 @@ def decode_batch(
     logprobs = [[x] for x in logp.gather(-1, tok[:, None])[:, 0].tolist()]
     active = list(range(bsz))  # original rows still in the batch, in batch order
     done = [False] * bsz
-    steps: list[tuple[list[int], dict[str, np.ndarray]]] = []  # (rows in the batch, stats (L, B, Hq)) per step
+    steps: list[tuple[list[int], dict[str, torch.Tensor]]] = []  # (rows in the batch, stats (L, B, Hq)) per step
     state.compute_certificate = options.certificate
     state.compute_trace_c2 = options.tight_radius
-    state.stats_after_forward = options.stats_after_forward
-    if options.fused_attention and dev.type != "cpu":
-        raise ValueError(f"decode.fused_attention=true is a CPU kernel, the model runs on {dev}: set it to false")
-    state.fused_attention = options.fused_attention
     for step in range(options.max_new_tokens):
         for row in active:
             done[row] = done[row] or tokens[row][-1] in eos or stopped(tokens[row])
@@ -158,36 +143,37 @@ def decode_batch(
         if finished == len(active):
             break
         # compaction copies every buffer once: batch it (a quarter of the rows finished) rather than pay it per row
-        if options.drop_finished and finished and finished >= max(1, len(active) // 4):
+        if finished and finished >= max(1, len(active) // 4):
             keep = [i for i, row in enumerate(active) if not done[row]]
             state.keep_rows(torch.tensor(keep, device=dev))
             tok = tok[keep]
             active = [active[i] for i in keep]
-        state.stats = StepStats()
+        state.want_stats = True
         every = options.tight_radius_every
         state.trace_c2_refresh = None if every == 1 else step % every == 0
-        pos = torch.full((len(active), 1), start_pos + step, device=dev, dtype=torch.long)
-        logits = forward_with_state(model, tok[:, None], pos, state)
+        logits = forward_with_state(model, tok[:, None], start_pos + step, state)
         if on_step is not None:
             on_step(step)
-        steps.append((active, {k: torch.stack(v, 0).float().cpu().numpy() for k, v in vars(state.stats).items() if v}))
+        steps.append((active, state.stats or {}))
         if step + 1 < options.max_new_tokens:
             logp = logits.float().log_softmax(-1)
             tok = logp.argmax(-1)
-            lps = logp.gather(-1, tok[:, None])[:, 0].tolist()
-            for i, (row, t) in enumerate(zip(active, tok.tolist())):
-                if not (options.drop_finished and done[row]):  # a finished row's answer is over
-                    tokens[row].append(t)
+            picked = logp.gather(-1, tok[:, None])[:, 0]
+            new_tokens, lps = tok.tolist(), picked.tolist()  # the step's one sync with the device
+            for i, row in enumerate(active):
+                if not done[row]:  # a finished row's answer is over
+                    tokens[row].append(new_tokens[i])
                     logprobs[row].append(lps[i])
-    state.stats = None
+    state.want_stats, state.stats = False, None
+    host = [(rows, {k: v.float().cpu().numpy() for k, v in s.items()}) for rows, s in steps]  # one copy at the end
     out = []
     for row in range(bsz):
         n_ans, answer = answer_length(tokenizer, tokens[row], eos, options.stop_strings)
         stats: dict[str, np.ndarray] = {}
         for name in STAT_NAMES:
-            if steps and name in steps[0][1]:
-                per_step = [s[name][:, rows.index(row)] for rows, s in steps[:n_ans]]
-                shape = steps[0][1][name].shape
+            if host and name in host[0][1]:
+                per_step = [s[name][:, rows.index(row)] for rows, s in host[:n_ans]]
+                shape = host[0][1][name].shape
                 stats[name] = np.stack(per_step, 0) if per_step else np.zeros((0, shape[0], shape[2]), np.float32)
         out.append((tokens[row], logprobs[row], stats, n_ans, answer))
     return out

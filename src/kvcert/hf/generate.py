@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvcert.hf.decode import DecodeOptions, VariantResult
-from kvcert.hf.packed import packed_linears
 from kvcert.hf.prefill import Prefill
 from kvcert.policy import Policy
 
@@ -25,7 +24,6 @@ def generate_variants(
     prompt: anything with `input_ids` and `question_start` (kvcert.tasks.Rendered, kvcert.hf.Prompt); the design
     draws are seeded from `example_id` (default: the prompt's example id). on_step(step) runs after each decode
     step's forward (the benchmark times steps with it)."""
-    with packed_linears(model, rows=len(policies), enabled=options.packed_weights):
-        prefill = Prefill.record(model, prompt, context_window=options.context_window, example_id=example_id)
-        batch = prefill.compress(policies, options)
-        return batch.decode(options, tokenizer, on_step=on_step)
+    prefill = Prefill.record(model, prompt, context_window=options.context_window, example_id=example_id)
+    batch = prefill.compress(policies, options)
+    return batch.decode(options, tokenizer, on_step=on_step)

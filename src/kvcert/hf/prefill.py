@@ -7,13 +7,15 @@
 Variants compressed after the prompt take their first token from the full prefill (compression happens after the
 prefill, as in kvpress' `compress after prefill`); variants compressed after the context read the question, chat
 suffix and answer prefix through their compressed caches first. Both then sit at the same next position and decode
-as one batch (`DecodeOptions.one_batch`).
+as one batch.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 
 import torch
 
@@ -24,6 +26,7 @@ from kvcert.hf.attention import (
     RecordState,
     forward_with_state,
     kvcert_attention_on,
+    layer_groups,
 )
 from kvcert.hf.compress import Compressed, compress
 from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
@@ -72,8 +75,7 @@ class Prefill:
     last_logits: torch.Tensor  # (1, V): the full cache's first answer token
     layer_windows: list[int | None]  # each layer's sliding window (None: full attention)
     _scores: dict = field(default_factory=dict)  # scorer -> scores, shared by the policies of one compress()
-    _oracle_layout: dict = field(default_factory=dict)  # prefix length -> per-layer (K^T, V) in fp32, shared
-    _oracle_stacked: dict = field(default_factory=dict)  # prefix length -> (K^T, V) of all layers stacked, shared
+    _oracle_prefix: dict = field(default_factory=dict)  # (prefix length, layers) -> stacked (K^T, V) in fp32, shared
 
     @classmethod
     @torch.no_grad()
@@ -89,10 +91,9 @@ class Prefill:
             model.config.num_hidden_layers, capture={"question": slice(qs, n), "context": slice(ctx_lo, qs)}
         )
         ids = torch.tensor([ids_list], device=model.device)
-        pos = torch.arange(n, device=model.device)[None]
         with kvcert_attention_on(model):
-            forward_with_state(model, ids[:, :qs], pos[:, :qs], state)
-            logits = forward_with_state(model, ids[:, qs:], pos[:, qs:], state)
+            forward_with_state(model, ids[:, :qs], 0, state)
+            logits = forward_with_state(model, ids[:, qs:], qs, state)
         return cls(
             model=model,
             input_ids=ids_list,
@@ -107,24 +108,16 @@ class Prefill:
             layer_windows=layer_windows(model),
         )
 
-    def oracle_prefix(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The first n prompt tokens of every layer in the oracle's matmul layout (K^T, V), fp32; built once."""
-        if n not in self._oracle_layout:
-            self._oracle_layout[n] = (
-                [k[0, :, :n].float().transpose(-1, -2).contiguous() for k in self.full_keys],
-                [v[0, :, :n].float().contiguous() for v in self.full_values],
+    def oracle_prefix(self, n: int, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first n prompt tokens of `layers` in the oracle's matmul layout, stacked: K^T (layers, Hkv, d, n) and
+        V (layers, Hkv, n, d), fp32; built once per (n, layers) and shared by every bucket."""
+        key = (n, tuple(layers))
+        if key not in self._oracle_prefix:
+            self._oracle_prefix[key] = (
+                torch.stack([self.full_keys[i][0, :, :n].float().transpose(-1, -2) for i in layers]),
+                torch.stack([self.full_values[i][0, :, :n].float() for i in layers]),
             )
-        return self._oracle_layout[n]
-
-    def oracle_prefix_stacked(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`oracle_prefix` with the layers stacked, (layers, Hkv, d, n) and (layers, Hkv, n, d), for the oracle of
-        DecodeOptions.stats_after_forward (one matmul for every layer); built once."""
-        if n not in self._oracle_stacked:
-            self._oracle_stacked[n] = (
-                torch.stack([k[0, :, :n].float().transpose(-1, -2) for k in self.full_keys]),
-                torch.stack([v[0, :, :n].float() for v in self.full_values]),
-            )
-        return self._oracle_stacked[n]
+        return self._oracle_prefix[key]
 
     # ---------------------------------------------------------------------------------------------- compress
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
@@ -156,10 +149,11 @@ class Prefill:
     def compress(self, policies: list[Policy], options: DecodeOptions) -> CompressedBatch:
         """Every policy's compressed cache; variants compressed after the context read the question now.
 
-        With `options.one_batch`, rows of similar width share a bucket (attention, certificate and oracle run per
-        bucket, so a 25% variant never pays for the full cache's width) and every bucket decodes in one forward.
-        Without it, each compression time is one bucket decoded on its own (the earlier, slower path)."""
+        Rows of similar width share a bucket (attention, certificate and oracle run per bucket, so a 25% variant
+        never pays for the full cache's width), and every bucket of both compression times decodes in one forward:
+        after the question, all sit at the same next position."""
         n, qs = len(self.input_ids), self.question_start
+        backend = resolve_backend(options.backend, self.full_keys[0], self.model.config)
         parts = []
         for when in ("prompt", "context"):
             rows = [i for i, p in enumerate(policies) if p.compress_after == when]
@@ -168,41 +162,30 @@ class Prefill:
             comps = {i: self._compress_one(policies[i], options.pool_kernel) for i in rows}
             region = n if when == "prompt" else qs
             certified = {i: policies[i].has_certificate for i in rows}
-            groups = _by_width(rows, comps, certified) if options.one_batch else [rows]
+            groups = _by_width(rows, comps, certified)
             rows = [i for g in groups for i in g]
-            state = CompressedState(
-                [
-                    _build_bucket(
-                        [comps[i] for i in g],
-                        [policies[i] for i in g],
-                        self,
-                        region=region,
-                        capacity=(n - region) + options.max_new_tokens + 1,
-                        oracle=options.oracle,
-                        stats_after_forward=options.stats_after_forward,
-                        keys_transposed=options.keys_transposed,
-                    )
-                    for g in groups
-                ]
-            )
+            capacity = (n - region) + options.max_new_tokens + 1
+            buckets = [
+                _build_bucket([comps[i] for i in g], [policies[i] for i in g], self, region, capacity, options.oracle)
+                for g in groups
+            ]
+            state = CompressedState(buckets, backend)
             if when == "prompt":
                 first = self.last_logits.expand(len(rows), -1)
             else:
                 ids = torch.tensor([self.input_ids[qs:]], device=self.model.device).expand(len(rows), -1)
-                pos = torch.arange(qs, n, device=self.model.device)[None].expand(len(rows), -1)
                 with kvcert_attention_on(self.model):
-                    first = forward_with_state(self.model, ids, pos, state)
-            parts.append(_Part(rows=rows, state=state, comps=[comps[i] for i in rows], first_logits=first))
-        if options.one_batch and len(parts) > 1:  # both sit at position n now: one batch, the buckets side by side
-            parts = [
-                _Part(
-                    rows=[i for p in parts for i in p.rows],
-                    state=CompressedState([b for p in parts for b in p.state.buckets]),
-                    comps=[c for p in parts for c in p.comps],
-                    first_logits=torch.cat([p.first_logits for p in parts]),
-                )
-            ]
-        return CompressedBatch(model=self.model, policies=list(policies), parts=parts, start=n)
+                    first = forward_with_state(self.model, ids, qs, state)
+            parts.append((rows, buckets, [comps[i] for i in rows], first))
+        return CompressedBatch(
+            model=self.model,
+            policies=list(policies),
+            rows=[i for p in parts for i in p[0]],
+            state=CompressedState([b for p in parts for b in p[1]], backend),
+            comps=[c for p in parts for c in p[2]],
+            first_logits=torch.cat([p[3] for p in parts]),
+            start=n,
+        )
 
 
 def _by_width(
@@ -222,20 +205,15 @@ def _by_width(
 
 
 @dataclass(kw_only=True)
-class _Part:
-    rows: list[int]  # positions in the policy list
-    state: CompressedState
-    comps: list[Compressed]
-    first_logits: torch.Tensor  # (B, V)
-
-
-@dataclass(kw_only=True)
 class CompressedBatch:
-    """Every variant's compressed cache, ready to decode (one part, or one per compression time)."""
+    """Every variant's compressed cache, ready to decode as one batch."""
 
     model: object
     policies: list[Policy]
-    parts: list[_Part]
+    rows: list[int]  # the batch's rows as positions in the policy list
+    state: CompressedState
+    comps: list[Compressed]
+    first_logits: torch.Tensor  # (B, V): each row's first answer token
     start: int  # position of the first generated token
 
     @torch.no_grad()
@@ -243,23 +221,23 @@ class CompressedBatch:
         self, options: DecodeOptions, tokenizer=None, *, on_step: Callable[[int], None] | None = None
     ) -> list[VariantResult]:
         """Greedy-decode every variant; results in the order of the policies."""
-        out: dict[int, VariantResult] = {}
+        compressed_layers = tuple(b.compressed for b in self.state.layers)
         with kvcert_attention_on(self.model):
-            for part in self.parts:
-                rows = decode_batch(
-                    self.model, tokenizer, part.state, part.first_logits, self.start, options, on_step=on_step
-                )
-                for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(part.rows, part.comps, rows):
-                    out[i] = VariantResult(
-                        policy=self.policies[i],
-                        tokens=tokens,
-                        logprobs=logprobs,
-                        n_answer=n_ans,
-                        answer=answer,
-                        kept_tokens=comp.kept_tokens,
-                        stats=stats,
-                        compressed_layers=tuple(b.compressed for b in part.state.layers),
-                    )
+            rows = decode_batch(
+                self.model, tokenizer, self.state, self.first_logits, self.start, options, on_step=on_step
+            )
+        out: dict[int, VariantResult] = {}
+        for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(self.rows, self.comps, rows):
+            out[i] = VariantResult(
+                policy=self.policies[i],
+                tokens=tokens,
+                logprobs=logprobs,
+                n_answer=n_ans,
+                answer=answer,
+                kept_tokens=comp.kept_tokens,
+                stats=stats,
+                compressed_layers=compressed_layers,
+            )
         return [out[i] for i in range(len(self.policies))]
 
 
@@ -273,60 +251,34 @@ def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
 
 
 def _build_bucket(
-    comps: list[Compressed],
-    policies: list[Policy],
-    prefill: Prefill,
-    *,
-    region: int,
-    capacity: int,
-    oracle: bool,
-    stats_after_forward: bool = False,
-    keys_transposed: bool = False,
+    comps: list[Compressed], policies: list[Policy], prefill: Prefill, region: int, capacity: int, oracle: bool
 ) -> Bucket:
-    """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16).
-    The oracle's shared prefix is the prompt at compression time; tokens read later are the variant's own."""
+    """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16),
+    keys stored (d, slots). The oracle's shared prefix is the prompt at compression time; tokens read later are
+    the variant's own, in one tensor per layer group."""
     layers = []
-    n_layers = len(prefill.full_keys)
-    own_all = None  # stats_after_forward: every layer's own oracle part in one tensor (one matmul per step)
-    if oracle and stats_after_forward:
-        _, n_kv, _, d = prefill.full_keys[0].shape
-        own_all = [
-            torch.zeros(
-                n_layers, len(comps), n_kv, capacity, d, dtype=torch.float32, device=prefill.full_keys[0].device
-            )
-            for _ in range(2)
-        ]
-    for layer in range(n_layers):
+    device = prefill.full_keys[0].device
+    for layer in range(len(prefill.full_keys)):
         k_full, v_full = prefill.full_keys[layer][0], prefill.full_values[layer][0]  # (Hkv, n, d)
         n_kv, _, d = k_full.shape
         width = max(c.indices[layer].shape[-1] for c in comps)
         slots = max(c.tail_slots[layer] for c in comps)
         b = len(comps)
-        values = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=k_full.device)
-        # (B, Hkv, d, slots) with keys_transposed: q K^T without a transposed operand
-        keys = torch.zeros_like(values) if not keys_transposed else values.new_zeros(b, n_kv, d, width + capacity)
-        offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=k_full.device)
-        omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=k_full.device)
+        values = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=device)
+        keys = values.new_zeros(b, n_kv, d, width + capacity)
+        offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
+        omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
         for row, c in enumerate(comps):
             idx = c.indices[layer]
             m = idx.shape[-1]
-            if keys_transposed:
-                keys[row, :, :, :m] = _take_tokens(k_full, idx).transpose(-1, -2)
-            else:
-                keys[row, :, :m] = _take_tokens(k_full, idx)
+            keys[row, :, :, :m] = _take_tokens(k_full, idx).transpose(-1, -2)
             values[row, :, :m] = _take_tokens(v_full, idx)
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
-        own_k = own_v = None  # the oracle's own part: views into own_all, or this layer's buffers
-        if own_all is not None:
-            own_k, own_v = own_all[0][layer], own_all[1][layer]
-        elif oracle:
-            own_k = torch.zeros(b, n_kv, capacity, d, dtype=torch.float32, device=k_full.device)
-            own_v = own_k.clone()
         window = prefill.layer_windows[layer]
         positions = None
         if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
-            positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=k_full.device)
+            positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=device)
             for row, c in enumerate(comps):
                 positions[row, : c.indices[layer].shape[-1]] = c.indices[layer][0]
         layers.append(
@@ -335,29 +287,51 @@ def _build_bucket(
                 values=values,
                 offset=offset,
                 one_minus_pi=omp,
-                value_sq_norms=values[:, :, :slots].square().sum(-1),
                 tail_slots=slots,
                 length=width,
-                oracle_keys=own_k,
-                oracle_values=own_v,
                 compressed=window is None,
                 window=window,
                 positions=positions,
                 prefix=width,
-                keys_transposed=keys_transposed,
             )
         )
-    rows = torch.tensor([p.has_certificate for p in policies], device=prefill.full_keys[0].device)
-    prefix, stacked = None, None
-    if own_all is not None:  # the stacked prefix, and per-layer views of it for the per-layer code
-        kt_all, v_all = prefill.oracle_prefix_stacked(region)
-        prefix, stacked = (list(kt_all.unbind(0)), list(v_all.unbind(0))), (kt_all, v_all, *own_all)
-    elif oracle:
-        prefix = prefill.oracle_prefix(region)
-    return Bucket(
-        layers,
-        certificate_rows=rows,
-        oracle_prefix=prefix,
-        stats_after_forward=stats_after_forward,
-        oracle_stacked=stacked,
-    )
+    oracle_parts = None
+    if oracle:  # per layer group: the shared prefix and the rows' own parts, viewed by each layer's buffers
+        oracle_parts = []
+        for group in layer_groups(layers):
+            n_kv, d = layers[group[0]].values.shape[1], layers[group[0]].values.shape[-1]
+            own = [torch.zeros(len(group), len(comps), n_kv, capacity, d, device=device) for _ in range(2)]
+            for local, layer in enumerate(group):
+                layers[layer].oracle_keys, layers[layer].oracle_values = own[0][local], own[1][local]
+            oracle_parts.append((*prefill.oracle_prefix(region, group), *own))
+    rows = torch.tensor([p.has_certificate for p in policies], device=device)
+    return Bucket(layers, certificate_rows=rows, oracle=oracle_parts)
+
+
+def resolve_backend(backend: str, like: torch.Tensor, config) -> str:
+    """ "torch" or "compiled" for DecodeOptions.backend: "auto" takes the compiled kernel for a float32 CPU cache
+    when it builds here and fits the model's heads, and says once which it took and why."""
+    if backend == "torch":
+        return "torch"
+    reason = None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
+    if like.device.type != "cpu":
+        reason = f"the model runs on {like.device.type}; the kernel is a CPU kernel"
+    elif head_dim > 256 or 2 * group > 16:
+        reason = f"head_dim {head_dim} / query group {group} outside the kernel's limits (256 / 8)"
+    else:
+        from kvcert.hf import kernel
+
+        reason = kernel.available()
+    if reason is not None and backend == "compiled":
+        raise ValueError(f"decode.backend=compiled cannot run: {reason}; set decode.backend=auto or torch")
+    chosen = "torch" if reason else "compiled"
+    _announce(chosen, reason)
+    return chosen
+
+
+@cache
+def _announce(chosen: str, reason: str | None) -> None:
+    why = f" ({reason})" if reason else ""
+    print(f"[kvcert] decode backend: {chosen}{why}", file=sys.stderr, flush=True)

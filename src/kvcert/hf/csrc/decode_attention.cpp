@@ -1,5 +1,5 @@
-// kvcert's fused decode attention: one call per layer and decode step for every bucket of a CompressedState
-// (DecodeOptions.fused_attention; Python side in kvcert/hf/fused.py). Per (row, KV head) it
+// kvcert's compiled decode attention: one call per layer and decode step for every bucket of a CompressedState
+// (DecodeOptions.backend; Python side in kvcert/hf/kernel.py). Per (row, KV head) it
 //   1. appends the new key / value (offset 0) to the compressed cache, and to the oracle's own part if any;
 //   2. computes p = softmax(scale * q K^T + offset) for the g query heads of the group (keys stored (d, slots));
 //   3. with the certificate, a = (1 - pi) p^2 on the tail slots;

@@ -1,0 +1,105 @@
+"""`make gpu-check`: the CUDA-marked tests and a small decode bench on a GPU, in one script under 5 minutes.
+
+    python -m kvcert.bench.gpu_check [--model smollm2-135m-instruct] [--out results/bench/gpu_check.json]
+
+Prints, per (prompt tokens, variants, certificate + oracle on / off): seconds per decode step of the whole variant
+set, peak GPU memory (torch.cuda.max_memory_allocated, reset per configuration) and the KV bytes the compressed
+caches hold; then writes them as JSON. Exits 2 with one line when no CUDA device is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvcert.bench.common import load, no_eos, policy_grid, sync, synthetic_prompt
+
+CONFIGS = [(1024, 8), (1024, 24), (4096, 24)]
+STEPS = 16
+
+
+def kv_bytes(batch) -> int:
+    """Bytes of the compressed caches' keys and values (every bucket and layer) of a CompressedBatch."""
+    return sum(
+        buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
+        for bucket in batch.state.buckets
+        for buf in bucket.layers
+    )
+
+
+def bench(model, n: int, variants: int, oracle: bool, device: str = "cuda") -> dict:
+    from kvcert.hf import DecodeOptions, Prefill, Prompt
+
+    ids, qs = synthetic_prompt(model, n)
+    opts = DecodeOptions(max_new_tokens=STEPS, oracle=oracle, certificate=oracle)
+    policies = policy_grid(variants)
+    cuda = torch.device(device).type == "cuda"
+    sync(device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    steps: list[float] = []
+    last = [0.0]
+
+    def on_step(step: int) -> None:
+        sync(device)
+        now = time.perf_counter()
+        if step:
+            steps.append(now - last[0])
+        last[0] = now
+
+    with no_eos(model):
+        prefill = Prefill.record(model, Prompt(input_ids=ids, question_start=qs, example_id="gpu"))
+        batch = prefill.compress(policies, opts)
+        held = kv_bytes(batch)
+        batch.decode(opts, None, on_step=on_step)
+    return {
+        "tokens": n,
+        "variants": variants,
+        "certificate_and_oracle": oracle,
+        "step_s": sorted(steps)[len(steps) // 2],
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+        "kv_bytes_held": held,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvcert.bench.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--out", type=Path, default=Path("results/bench/gpu_check.json"))
+    parser.add_argument("--skip-tests", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: no CUDA device visible; run `make gpu-check` on a machine with a GPU", file=sys.stderr)
+        return 2
+    if not args.skip_tests:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests/test_cuda.py"])
+        if tests.returncode != 0:
+            return tests.returncode
+    model, _ = load(args.model, "cuda", args.dtype)
+    rows = []
+    for n, variants in CONFIGS:
+        for oracle in (False, True):
+            row = bench(model, n, variants, oracle)
+            rows.append(row)
+            print(
+                f"[kvcert] {n} tokens, {variants} variants, certificate+oracle {'on' if oracle else 'off'}: "
+                f"{row['step_s'] * 1e3:.1f} ms/step, peak {row['peak_gpu_bytes'] / 2**20:.0f} MiB, "
+                f"KV held {row['kv_bytes_held'] / 2**20:.0f} MiB",
+                flush=True,
+            )
+    result = {"device": torch.cuda.get_device_name(), "model": args.model, "dtype": args.dtype, "rows": rows}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"[kvcert] -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""The decode engine on a CUDA device (skipped without one; `make gpu-check` runs these)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import hf_greedy
+from kvcert.bench.common import no_eos
+from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.policy import FULL, Policy
+from kvcert.testing import tiny_random_model
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+STEPS = 6
+
+
+def _prompt(n: int = 300, qs: int = 280) -> Prompt:
+    ids = torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+    return Prompt(input_ids=ids, question_start=qs, example_id="cuda")
+
+
+def test_keep_all_on_cuda_reproduces_transformers_greedy():
+    model, _ = tiny_random_model("llama")
+    model = model.to("cuda")
+    prompt = _prompt()
+    ref_tokens, _ = hf_greedy(model, prompt.input_ids, STEPS)
+    with no_eos(model):
+        (res,) = generate_variants(model, None, prompt, [FULL], DecodeOptions(max_new_tokens=STEPS))
+    assert res.tokens == ref_tokens
+
+
+def test_cuda_statistics_equal_the_cpu_ones_to_float_rounding():
+    """Same draws (the designs use a CPU generator on every device), same tokens, statistics to float32 rounding."""
+    policies = [FULL] + [
+        Policy(scorer="window_question", design=d, budget=0.25, seed=1) for d in ("topk", "randomized")
+    ]
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model, _ = tiny_random_model("llama")
+        model = model.to(device)
+        with no_eos(model):
+            opts = DecodeOptions(max_new_tokens=STEPS, backend="torch")
+            runs[device] = generate_variants(model, None, _prompt(), policies, opts)
+    for a, b in zip(runs["cpu"], runs["cuda"]):
+        assert a.tokens == b.tokens, a.policy.label
+        for name, arr in a.stats.items():
+            assert np.allclose(arr, b.stats[name], rtol=1e-3, atol=1e-5, equal_nan=True), (a.policy.label, name)
+
+
+def test_bf16_on_cuda_runs_with_float32_statistics():
+    model, _ = tiny_random_model("llama")
+    model = model.to("cuda", torch.bfloat16)
+    policy = Policy(scorer="window_question", design="randomized", budget=0.25, seed=1)
+    with no_eos(model):
+        (res,) = generate_variants(model, None, _prompt(), [policy], DecodeOptions(max_new_tokens=STEPS))
+    assert res.stats["variance"].dtype == np.float32 and np.isfinite(res.stats["variance"]).all()

@@ -1,0 +1,195 @@
+"""The documentation stays short, points at files that exist, and speaks to users.
+
+- README.md is under 300 lines; every page under docs/ is linked from it.
+- Every repository path named in README.md or docs/*.md exists: paths in inline code spans (relative to the
+  repository root) and markdown link targets (relative to the page, as GitHub resolves them). Fenced code blocks are
+  examples, not references, and are skipped; so are URLs, globs, <placeholders>, paths outside the repository and
+  outputs that only a local run creates (results/runs/, a study's regenerated/ and regeneration/ folders, ...).
+- No internal process vocabulary ("stop 16", "issue #12", "previous stop", "SPEC") reaches a reader.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+MAX_README_LINES = 300
+
+EXTENSIONS = (
+    ".py", ".md", ".yaml", ".yml", ".json", ".jsonl", ".csv", ".parquet", ".png", ".html", ".log", ".toml", ".lock",
+    ".txt", ".cpp", ".cfg", ".ini", ".sh",
+)  # fmt: skip
+# written by a local run, never committed: named in the docs as where output lands
+GENERATED = re.compile(
+    r"^(results/runs(/|$)|results/[^/]+/regenerated(/|$)|results/[^/]+/regeneration(/|$)|results/smoke(/|$)"
+    r"|results/[^/]+/smoke(/|$)|outputs(/|$)|multirun(/|$)|\.venv(/|$))"
+)
+GENERATED_NAMES = {"reproduce.log", "COMPLETE", "regeneration.md", "regeneration.json"}
+# bare names of files outside the repository: a model folder's config, the user's own data
+NOT_REPOSITORY_FILES = {"config.json", "my.jsonl"}
+PROCESS_WORDS = [
+    re.compile(r"\bstop \d+", re.I),
+    re.compile(r"\bissue #\d+", re.I),
+    re.compile(r"\bprevious stop\b", re.I),
+    re.compile(r"\bSPEC\b"),
+]
+FENCE = re.compile(r"^(```|~~~).*?^\1[ \t]*$", re.S | re.M)
+CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+LINK = re.compile(r"\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+PATH_CHARS = re.compile(r"^[A-Za-z0-9_.\-/{},]+$")
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _without_fences(text: str) -> str:
+    return FENCE.sub("", text)
+
+
+def _expand_braces(token: str) -> list[str]:
+    """`results/study{1,2}/scorecard.{md,json}` -> the four paths it names (shell brace expansion)."""
+    parts = re.split(r"\{([^{}]*)\}", token)
+    choices = [[p] if i % 2 == 0 else p.split(",") for i, p in enumerate(parts)]
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def _root_entries() -> set[str]:
+    return {p.name for p in ROOT.iterdir()} | {"src", "conf", "docs", "results", "tests", "preregistration"}
+
+
+@functools.cache
+def _basenames() -> frozenset[str]:
+    """Every file and folder name in the repository (build outputs, caches and run folders pruned)."""
+    prune = {".git", ".venv", "node_modules", "__pycache__", ".pytest_cache", ".ruff_cache"}
+    local_runs = {ROOT / "results" / "runs", ROOT / "outputs", ROOT / "multirun"}
+    names = set()
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in prune and Path(top, d) not in local_runs]
+        names.update(dirs, files)
+    return frozenset(names)
+
+
+def path_candidates(token: str, roots: set[str]) -> list[str]:
+    """The repository paths one word of a code span names ([] when it names none): a word made of path characters
+    that either has a `/` and starts at a top-level entry of the repository, or ends with a known file extension."""
+    token = token.lstrip("('\"[").rstrip("'\")];:,.")
+    if not token or token.startswith(("/", "-", "./", "../")) or not PATH_CHARS.match(token):
+        return []  # absolute or relative-outside paths, options; prose, math, URLs, globs, overrides, placeholders
+    out = []
+    for path in _expand_braces(token):
+        at_root = "/" in path and path.split("/", 1)[0] in roots
+        if at_root or ("/" not in path and path.endswith(EXTENSIONS)):
+            out.append(path)
+    return out
+
+
+def _span_words(span: str) -> list[str]:
+    """The words of a code span; a word holding a <placeholder> names no fixed file and is dropped."""
+    return [word for word in span.split() if not re.search(r"<[^<>]*>", word)]
+
+
+def referenced_paths(page: Path, text: str | None = None) -> list[tuple[str, str, Path]]:
+    """(kind, as written, resolved path) for every repository path the page names; kind is "span" (relative to the
+    repository root) or "link" (relative to the page)."""
+    text = _without_fences(page.read_text() if text is None else text)
+    roots = _root_entries()
+    found = []
+    for match in CODE_SPAN.finditer(text):
+        for word in _span_words(match.group(2)):
+            found += [("span", path, ROOT / path) for path in path_candidates(word, roots)]
+    for match in LINK.finditer(text):
+        target = match.group(1).split("#", 1)[0]
+        if target and "://" not in target and not target.startswith("mailto:"):
+            found.append(("link", target, (page.parent / target).resolve()))
+    return found
+
+
+def _is_generated(resolved: Path) -> bool:
+    return resolved.is_relative_to(ROOT) and bool(GENERATED.match(resolved.relative_to(ROOT).as_posix()))
+
+
+def test_readme_is_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) < MAX_README_LINES, f"README.md has {len(lines)} lines; move detail to docs/"
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    missing = [_rel(p) for p in PAGES[1:] if f"]({_rel(p)})" not in readme]
+    assert not missing, f"docs pages not linked from README.md: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_named_paths_exist(page: Path):
+    names = _basenames()
+    missing = []
+    for kind, written, resolved in referenced_paths(page):
+        if resolved.exists() or _is_generated(resolved):
+            continue
+        if kind == "span" and "/" not in written and written in names | GENERATED_NAMES | NOT_REPOSITORY_FILES:
+            continue  # a bare file name (`examples.parquet`, `PLAN.md`) of a file somewhere in the repository
+        missing.append(written)
+    assert not missing, f"{_rel(page)} names paths that do not exist: {sorted(set(missing))}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_rel)
+def test_no_process_words(page: Path):
+    text = page.read_text()
+    hits = []
+    for number, line in enumerate(text.splitlines(), 1):
+        hits += [f"line {number}: {m.group(0)!r}" for pattern in PROCESS_WORDS for m in pattern.finditer(line)]
+    assert not hits, f"{_rel(page)} uses process words a reader cannot resolve: {hits}"
+
+
+@pytest.mark.parametrize(
+    ("word", "expected"),
+    [
+        ("src/kvcert/run.py", ["src/kvcert/run.py"]),
+        ("results/study{1,2}/scorecard.md", ["results/study1/scorecard.md", "results/study2/scorecard.md"]),
+        ("conf/task/jsonl.yaml", ["conf/task/jsonl.yaml"]),
+        ("src/kvcert/core/", ["src/kvcert/core/"]),
+        ("README.md", ["README.md"]),
+        ("examples.parquet", ["examples.parquet"]),
+        ("https://ai.google.dev/gemma/terms", []),
+        ("results/claim_*.json", []),
+        ("Qwen/Qwen2.5-0.5B-Instruct", []),
+        ("model.name=Qwen/Qwen2.5-0.5B-Instruct", []),
+        ("task.path=my.jsonl", []),
+        ("~/.cache/kvcert/models", []),
+        ("/data/my_qa.jsonl", []),
+        ("1/||k||", []),
+        ("kvcert.core.simulate", []),
+        (".ci/run", [".ci/run"]),
+        ("../kvcert-study1", []),
+        ("(conf/config.yaml),", ["conf/config.yaml"]),
+        ("results/<study>/published/", []),
+    ],
+)
+def test_path_extractor(word: str, expected: list[str]):
+    assert path_candidates(word, _root_entries()) == expected
+
+
+def test_extractor_reads_spans_and_links_but_not_fences():
+    page = ROOT / "docs" / "example.md"
+    text = (
+        "See `results/scorecard.md` and [the API](api.md#top), `results/<study>/published/`,\n"
+        "```bash\ncat results/nothing/here.md\n```\n"
+        "`make bench BENCH_ARGS=--quick` writes `results/bench/quick/`; [web](https://example.org/a.md)."
+    )
+    found = referenced_paths(page, text)
+    assert [(kind, written) for kind, written, _ in found] == [
+        ("span", "results/scorecard.md"),
+        ("span", "results/bench/quick/"),
+        ("link", "api.md"),
+    ]
+    assert found[-1][2] == ROOT / "docs" / "api.md"
+    assert _is_generated(ROOT / "results" / "runs" / "x") and _is_generated(ROOT / "results/study1/regenerated/a")
+    assert not _is_generated(ROOT / "results" / "scorecard.md")
