@@ -156,7 +156,7 @@ def test_both_backends_decode_the_same_tokens_and_statistics():
 
 def test_auto_falls_back_to_torch_with_one_line_when_the_kernel_cannot_build(monkeypatch, capsys):
     from kvcert.hf import prefill
-    from kvcert.hf.loading import tiny_random_model
+    from kvcert.testing import tiny_random_model
 
     model, _ = tiny_random_model("llama")
     monkeypatch.setattr(fused, "available", lambda: "no compiler here")

@@ -2,7 +2,7 @@
 tiny configs of every architecture of the support matrix (docs/models.md) and a word-level tokenizer, so a test can
 write a model folder and load it the way a user does (``save_tiny_model``).
 
-``tiny_random_model`` moved here from ``kvcert.hf.loading`` (which still re-exports it).
+``kvcert.hf`` re-exports ``tiny_random_model``; this module imports ``kvcert.hf.loading`` only inside functions.
 """
 
 from __future__ import annotations

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import torch
 
-from kvcert.bench.common import FULL_CONFIG, load, no_eos, policy_grid, run_generate, synthetic_prompt
+from kvcert.bench.common import (
+    FULL_CONFIG,
+    load,
+    median,
+    no_eos,
+    policy_grid,
+    rotate,
+    run_generate,
+    synthetic_prompt,
+)
+from kvcert.bench.measure import DECODE_CONFIGS, bench_decode
 
 
 def run_child(
@@ -96,8 +106,6 @@ def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) ->
 
 
 def child_decode(model_name, device, dtype, cfg, threads: int) -> dict:
-    from kvcert.bench.measure import DECODE_CONFIGS, bench_decode
-
     torch.set_num_threads(threads)
     model, _ = load(model_name, device, dtype)
     with no_eos(model):
@@ -153,6 +161,67 @@ def main(argv=None) -> int:
         r = child_decode(a.model, a.device, a.dtype, cfg, a.threads or torch.get_num_threads())
     print(json.dumps(r))
     return 0
+
+
+# ----------------------------------------------------------------------------------------------- 5. threads
+def bench_threads(model, model_name, cfg, device, dtype, log) -> dict:
+    """set_num_threads 1 vs 2 in-process (interleaved), OMP_WAIT_POLICY PASSIVE vs default in subprocesses."""
+    if torch.device(device).type != "cpu":
+        return dict(note="thread settings are measured on CPU only")
+    from kvcert.hf import DecodeOptions
+
+    dcfg = replace(cfg, decode_steps=max(4, cfg.decode_steps // 2))
+    ids, qs = synthetic_prompt(model, dcfg.decode_tokens)
+    policies = policy_grid(dcfg.decode_variants)
+    opts = DecodeOptions(max_new_tokens=dcfg.decode_steps, oracle=False)
+    before = torch.get_num_threads()
+    counts = sorted({1, min(2, os.cpu_count() or 1), before})
+    res = {c: [] for c in counts}
+    try:
+        for rep in range(cfg.thread_reps):
+            for c in rotate(counts, rep):
+                torch.set_num_threads(c)
+                res[c].append(run_generate(model, ids, qs, policies, opts, device)[1])
+    finally:
+        torch.set_num_threads(before)
+    threads = {str(c): median(v) for c, v in res.items()}
+    best = min(threads, key=threads.get)
+    log("  threads: " + ", ".join(f"{c}: {t * 1e3:.1f} ms/step" for c, t in threads.items()))
+    omp: dict[str, list[float]] = {"default": [], "PASSIVE": []}
+    if cfg.omp_reps > 0:
+        child = [
+            "decode",
+            "--model",
+            model_name,
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+            "--threads",
+            str(max(counts)),
+            "--tokens",
+            str(dcfg.decode_tokens),
+            "--variants",
+            str(dcfg.decode_variants),
+            "--steps",
+            str(dcfg.decode_steps),
+            "--reps",
+            "2",
+        ]
+        for rep in range(cfg.omp_reps):
+            for k in rotate(list(omp), rep):
+                extra = {"OMP_WAIT_POLICY": "PASSIVE"} if k == "PASSIVE" else {}
+                omp[k].append(run_child(child, extra, drop=("OMP_WAIT_POLICY",))["step_s"])
+        log("  OMP_WAIT_POLICY: " + ", ".join(f"{k}: {median(v) * 1e3:.1f} ms/step" for k, v in omp.items()))
+    omp_med = {k: median(v) for k, v in omp.items() if v}
+    return dict(
+        num_threads_step_s=threads,
+        best_num_threads=int(best),
+        default_num_threads=before,
+        omp_wait_policy_step_s=omp_med,
+        best_omp_wait_policy=min(omp_med, key=omp_med.get) if omp_med else None,
+        passive_vs_default=(omp_med["PASSIVE"] / omp_med["default"]) if len(omp_med) == 2 else None,
+    )
 
 
 if __name__ == "__main__":

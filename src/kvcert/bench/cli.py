@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
+from kvcert.bench.child import bench_threads
 from kvcert.bench.common import DEFAULT_MODEL, FULL_CONFIG, QUICK_CONFIG, BenchConfig, load, median, no_eos, sync
-from kvcert.bench.measure import bench_attention_only, bench_decode, bench_examples, bench_prefill, bench_threads
+from kvcert.bench.measure import bench_attention_only, bench_decode, bench_examples, bench_prefill
 from kvcert.bench.report import plot_roofline, plot_scaling, scaling_exponents, write_markdown
 from kvcert.bench.roofline import bench_roofline
 

@@ -3,7 +3,6 @@ kernel alone, thread settings, and seconds per confirmatory example before / aft
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 
@@ -143,68 +142,6 @@ def bench_attention_only(cfg, device, head_dim=64, n_kv=3, group=3) -> dict:
         plain_s=median(plain),
         certificate_s=median(cert),
         ratio=median([c / p for c, p in zip(cert, plain)]),
-    )
-
-
-# ----------------------------------------------------------------------------------------------- 5. threads
-def bench_threads(model, model_name, cfg, device, dtype, log) -> dict:
-    """set_num_threads 1 vs 2 in-process (interleaved), OMP_WAIT_POLICY PASSIVE vs default in subprocesses."""
-    if torch.device(device).type != "cpu":
-        return dict(note="thread settings are measured on CPU only")
-    from kvcert.bench.child import run_child
-    from kvcert.hf import DecodeOptions
-
-    dcfg = replace(cfg, decode_steps=max(4, cfg.decode_steps // 2))
-    ids, qs = synthetic_prompt(model, dcfg.decode_tokens)
-    policies = policy_grid(dcfg.decode_variants)
-    opts = DecodeOptions(max_new_tokens=dcfg.decode_steps, oracle=False)
-    before = torch.get_num_threads()
-    counts = sorted({1, min(2, os.cpu_count() or 1), before})
-    res = {c: [] for c in counts}
-    try:
-        for rep in range(cfg.thread_reps):
-            for c in rotate(counts, rep):
-                torch.set_num_threads(c)
-                res[c].append(run_generate(model, ids, qs, policies, opts, device)[1])
-    finally:
-        torch.set_num_threads(before)
-    threads = {str(c): median(v) for c, v in res.items()}
-    best = min(threads, key=threads.get)
-    log("  threads: " + ", ".join(f"{c}: {t * 1e3:.1f} ms/step" for c, t in threads.items()))
-    omp: dict[str, list[float]] = {"default": [], "PASSIVE": []}
-    if cfg.omp_reps > 0:
-        child = [
-            "decode",
-            "--model",
-            model_name,
-            "--device",
-            device,
-            "--dtype",
-            dtype,
-            "--threads",
-            str(max(counts)),
-            "--tokens",
-            str(dcfg.decode_tokens),
-            "--variants",
-            str(dcfg.decode_variants),
-            "--steps",
-            str(dcfg.decode_steps),
-            "--reps",
-            "2",
-        ]
-        for rep in range(cfg.omp_reps):
-            for k in rotate(list(omp), rep):
-                extra = {"OMP_WAIT_POLICY": "PASSIVE"} if k == "PASSIVE" else {}
-                omp[k].append(run_child(child, extra, drop=("OMP_WAIT_POLICY",))["step_s"])
-        log("  OMP_WAIT_POLICY: " + ", ".join(f"{k}: {median(v) * 1e3:.1f} ms/step" for k, v in omp.items()))
-    omp_med = {k: median(v) for k, v in omp.items() if v}
-    return dict(
-        num_threads_step_s=threads,
-        best_num_threads=int(best),
-        default_num_threads=before,
-        omp_wait_policy_step_s=omp_med,
-        best_omp_wait_policy=min(omp_med, key=omp_med.get) if omp_med else None,
-        passive_vs_default=(omp_med["PASSIVE"] / omp_med["default"]) if len(omp_med) == 2 else None,
     )
 
 

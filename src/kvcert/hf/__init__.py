@@ -6,9 +6,10 @@ results = batch.decode(options, tokenizer)   (generate_variants composes the thr
 
 from kvcert.hf.decode import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, VariantResult
 from kvcert.hf.generate import generate_variants
-from kvcert.hf.loading import ModelLoadError, load_model, tiny_random_model
+from kvcert.hf.loading import ModelLoadError, load_model
 from kvcert.hf.prefill import CompressedBatch, Prefill, Prompt
 from kvcert.policy import FULL, Policy
+from kvcert.testing import tiny_random_model
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",

@@ -549,10 +549,3 @@ def check_supported(model: PreTrainedModel, label: str | None = None) -> None:
     label = label or getattr(model.config, "name_or_path", "") or model.config.model_type
     _check_config(label, model.config)
     _check_modules(label, model)
-
-
-def tiny_random_model(arch: str = "llama", seed: int = 0, **overrides) -> tuple[PreTrainedModel, None]:
-    """Re-export of :func:`kvcert.testing.tiny_random_model` (moved there; kept here for existing imports)."""
-    from kvcert.testing import tiny_random_model as build
-
-    return build(arch, seed, **overrides)
