@@ -14,7 +14,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from kvcert.hf import loading
-from kvcert.hf.loading import ModelLoadError, load_model, tiny_random_model
+from kvcert.hf.loading import ModelLoadError, load_model
+from kvcert.testing import tiny_random_model
 
 
 def _tiny_tokenizer() -> transformers.PreTrainedTokenizerBase:
