@@ -108,3 +108,15 @@ def test_step_rows_carry_the_tight_radius_and_the_regime_flag(tiny_smol):
         assert df.loc[df.variant != pols[1].label, name].isna().all(), name
     assert (df.loc[df.variant != pols[1].label, "n_tail"] == -1).all()
     assert not df.loc[df.variant != pols[1].label, "certificate_trusted"].any()
+
+
+def test_provenance_names_the_cpu_and_the_thread_count(tmp_path):
+    """Bit-identity of records holds only on the CPU type that made them: provenance says which."""
+    import torch
+
+    from kvcert.records import cpu_model, provenance
+
+    prov = provenance(tmp_path, {"seed": 0}, None)
+    assert prov["cpu"] == cpu_model() and isinstance(prov["cpu"], str) and prov["cpu"]
+    assert prov["torch_threads"] == torch.get_num_threads()
+    assert prov["seeds"] == {"seed": 0} and "torch" in prov["packages"]

@@ -280,6 +280,17 @@ def git_commit(root: Path) -> dict:
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": dirty}
 
 
+def cpu_model() -> str:
+    """The CPU's model name (bit-identity of records holds only on the CPU type that made them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def provenance(root: Path, seeds: dict, lock_hash: str | None) -> dict:
     versions = {}
     for pkg in [
@@ -302,6 +313,8 @@ def provenance(root: Path, seeds: dict, lock_hash: str | None) -> dict:
     return {
         "git": git_commit(root),
         "python": platform.python_version(),
+        "cpu": cpu_model(),
+        "torch_threads": torch.get_num_threads(),
         "packages": versions,
         "seeds": seeds,
         "lock_sha256": lock_hash,
