@@ -208,8 +208,6 @@ class LayerGroup:
             sketch = value_sketch(first.values.shape[-1], first.values.device)
             self.features = torch.stack([tail_features(b.values[:, :, :s], sketch, packed=True) for b in buffers])
         self.psi: torch.Tensor | None = None  # tr(C^2) / V_hat^2 of the last refresh (tight_radius_every > 1)
-        self.own_length = 0  # the oracle's own tokens at this step, and the rows (set before `oracle_errors`)
-        self.batch_size = first.keys.shape[0]
         self.rows: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
         self.pending: list[int] = []  # local indices written since the last flush
@@ -298,20 +296,22 @@ class LayerGroup:
         return tc2
 
 
-def oracle_errors(parts: list[tuple[LayerGroup, float, int]]) -> list[torch.Tensor]:
+def oracle_errors(parts: list[tuple[LayerGroup, int]], scale: float, position: int) -> list[torch.Tensor]:
     """||o_hat - o|| (n, B, Hkv, g) of groups that share one oracle prefix (same layers, one compression time),
     for every layer and row at once: the shared prefix's K^T and V are read once per step. The softmax runs over
     the two parts without concatenating them (prefix, then the row's own tokens); on a sliding-window group only
-    the last `window` positions count. parts: (group, scale, position of the query)."""
-    group0, scale, position = parts[0]
+    the last `window` positions count. parts: (group, length of its rows' own parts); position: the query's."""
+    groups = [grp for grp, _ in parts]
+    group0, own = parts[0]
+    if any(length != own for _, length in parts):
+        raise RuntimeError("groups of one oracle prefix hold own parts of different lengths")
     kt, fv = group0.oracle[:2]
-    own = group0.own_length
-    q = torch.cat([torch.stack(grp.queries) for grp, _, _ in parts], dim=1)  # (n, B, Hkv, g, d)
+    q = torch.cat([torch.stack(grp.queries) for grp in groups], dim=1)  # (n, B, Hkv, g, d)
     g = q.shape[3]
-    out = torch.cat([grp.out[..., :g, :] for grp, _, _ in parts], dim=1)
-    app_k = torch.cat([grp.oracle[2][..., :own, :] for grp, _, _ in parts], dim=1)  # (n, B, Hkv, a, d)
-    app_v = torch.cat([grp.oracle[3][..., :own, :] for grp, _, _ in parts], dim=1)
-    for grp, _, _ in parts:
+    out = torch.cat([grp.out[..., :g, :] for grp in groups], dim=1)
+    app_k = torch.cat([grp.oracle[2][..., :own, :] for grp in groups], dim=1)  # (n, B, Hkv, a, d)
+    app_v = torch.cat([grp.oracle[3][..., :own, :] for grp in groups], dim=1)
+    for grp in groups:
         grp.queries = []
     if group0.window is not None:  # positions are [0, prefix) then the own part: keep the last `window`
         n_prefix = kt.shape[-1]
@@ -331,7 +331,7 @@ def oracle_errors(parts: list[tuple[LayerGroup, float, int]]) -> list[torch.Tens
     num = torch.matmul(ef.view(n_layers, n_kv, bsz * g, -1), fv).view(n_layers, n_kv, bsz, g, d)
     num = num + ea @ app_v.transpose(1, 2)
     error = (out - (num / z).transpose(1, 2)).norm(dim=-1)
-    return list(error.split([grp.batch_size for grp, _, _ in parts], dim=1))
+    return list(error.split([grp.out.shape[1] for grp in groups], dim=1))
 
 
 class Bucket:
@@ -357,6 +357,9 @@ class Bucket:
             for k, idx in enumerate(layer_groups(layers))
         ]
         self.where = {layer: (grp, local) for grp in self.groups for local, layer in enumerate(grp.layers)}
+        # the groups' layers back in model order, for the statistics of a model with several slot layouts
+        layer_of_row = [layer for grp in self.groups for layer in grp.layers]
+        self.layer_order = torch.tensor(layer_of_row, device=layers[0].keys.device).argsort()
         self.scale = 1.0
 
     @property
@@ -458,11 +461,10 @@ class Bucket:
 
     def flush(self, certificate: bool, trace_c2: bool, refresh: bool | None, errors: dict) -> dict[str, torch.Tensor]:
         """This step's statistics of every layer: name -> (layers, B, Hq); errors: id(group) -> its oracle error."""
-        length = {id(grp): self.layers[grp.layers[0]].length for grp in self.groups}
         parts = [
             grp.flush(
                 self.certificate_rows,
-                length[id(grp)],
+                self.layers[grp.layers[0]].length,
                 certificate=certificate,
                 trace_c2=trace_c2,
                 refresh=refresh,
@@ -472,11 +474,7 @@ class Bucket:
         ]
         if len(parts) == 1:
             return parts[0]
-        order = torch.tensor([layer for grp in self.groups for layer in grp.layers]).argsort()
-        return {
-            name: torch.cat([pt[name] for pt in parts]).index_select(0, order.to(parts[0][name].device))
-            for name in parts[0]
-        }
+        return {name: torch.cat([pt[name] for pt in parts]).index_select(0, self.layer_order) for name in parts[0]}
 
 
 def layer_groups(layers: list[LayerBuffers]) -> list[list[int]]:
@@ -593,14 +591,13 @@ class CompressedState:
             return
         errors: dict[int, torch.Tensor] = {}
         shared: dict[int, list] = {}  # groups by oracle prefix (one compression time, the same layers)
+        scale = self.buckets[0].scale
         for b in self.buckets:
             for grp in b.groups:
                 if grp.queries:
-                    grp.own_length = b.layers[grp.layers[0]].oracle_length
-                    grp.batch_size = b.batch_size
-                    shared.setdefault(id(grp.oracle[0]), []).append((grp, b.scale, self.position))
+                    shared.setdefault(id(grp.oracle[0]), []).append((grp, b.layers[grp.layers[0]].oracle_length))
         for parts in shared.values():
-            errors.update({id(grp): e for (grp, _, _), e in zip(parts, oracle_errors(parts))})
+            errors.update({id(grp): e for (grp, _), e in zip(parts, oracle_errors(parts, scale, self.position))})
         steps = [
             b.flush(self.compute_certificate, self.compute_trace_c2, self.trace_c2_refresh, errors)
             for b in self.buckets

@@ -44,6 +44,7 @@ import pandas as pd
 
 from kvcert.analysis import accuracy
 from kvcert.analysis.claims import evaluate_claim, registry
+from kvcert.records import cpu_model
 from kvcert.studies import cells as cell_table
 from kvcert.studies import published
 
@@ -293,21 +294,9 @@ def _rounded(obj):
     return obj
 
 
-def cpu_name() -> str:
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def write_report(result: dict, out: Path, *, title: str) -> dict[str, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    result = _rounded(result | {"cpu": cpu_name()})
+    result = _rounded(result | {"cpu": cpu_model()})
     paths = {"json": out.with_suffix(".json"), "md": out.with_suffix(".md")}
     paths["json"].write_text(json.dumps(result, indent=2) + "\n")
     paths["md"].write_text(report_markdown(result, title=title, cpu=result["cpu"]))
@@ -422,7 +411,7 @@ def derive(studies: Sequence[str], n: int) -> dict:
         "rule": "tolerance = K * max(sqrt(N/n) * max_r |delta_r|, sqrt(N_rows * p_flip) * q); K = 3 (module docstring)",
         "multiple": MULTIPLE,
         "min_identical_answers": MIN_IDENTICAL_ANSWERS,
-        "cpu": cpu_name(),
+        "cpu": cpu_model(),
         "studies": {},
     }
     rng = np.random.default_rng(0)
