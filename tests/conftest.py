@@ -65,14 +65,14 @@ def hf_greedy(model, ids: list[int], steps: int) -> tuple[list[int], list[float]
 
     model.set_attn_implementation("sdpa")
     cache = DynamicCache(config=model.config)
-    out = model(torch.tensor([ids]), cache=cache, use_cache=True)
+    out = model(torch.tensor([ids], device=model.device), cache=cache, use_cache=True)
     tokens, logprobs = [], []
     for _ in range(steps):
         lp = out.logits[0, -1].float().log_softmax(-1)
         t = int(lp.argmax())
         tokens.append(t)
         logprobs.append(float(lp[t]))
-        out = model(torch.tensor([[t]]), cache=cache, use_cache=True)
+        out = model(torch.tensor([[t]], device=model.device), cache=cache, use_cache=True)
     return tokens, logprobs
 
 

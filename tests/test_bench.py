@@ -207,6 +207,12 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
     assert rc == 0
     data = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert data["quick"] and data["model"] == "tiny-llama"
+    # serving mode at 1,024 tokens: budget 0.25 holds its 256 kept tokens (+ Poisson spread and the slots of the
+    # tokens to come) against the full cache's 1,024; the table is in the report
+    sv = data["serving"]
+    assert {(r["tokens"], r["budget"]) for r in sv["rows"]} == {(1024, 1.0), (1024, 0.5), (1024, 0.25)}
+    assert 0.25 <= data["serving_kv_memory_ratio"] <= 0.30
+    assert "serving_kv_memory_ratio" in (tmp_path / "bench_cpu.md").read_text()
     assert {(r["tokens"], r["variants"]) for r in data["prefill"]} == {(1024, 1), (1024, 8), (1024, 24)}
     for r in data["prefill"]:  # one repetition (quick): the median of one ratio is the ratio of the two times
         assert r["reps"] == 1 and r["speedup"] == pytest.approx(r["reprefill_s"] / r["shared_s"])

@@ -1,9 +1,11 @@
-"""A bfloat16 model: the cache keeps float32 copies of the kept keys and values, and the attention, the certificate
-and the oracle are computed in float32. Checked against float64 on the captured inputs: a bf16 computation would be
+"""A bfloat16 model: the cache keeps the kept keys and values in bfloat16 (the model's dtype), and the attention,
+the certificate and the oracle are computed in float32, in verification mode (oracle on) and serving mode (oracle
+off). Checked against float64 on the captured inputs: a bf16 computation would be
 off by about 1e-2 relative, float32 math by about 1e-6."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcert.bench.common import no_eos
@@ -16,7 +18,8 @@ N, QS, STEPS = 300, 280, 3
 TOLERANCE = 1e-4  # relative, against float64 (docs/api.md states it)
 
 
-def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeypatch):
+@pytest.mark.parametrize("oracle", [True, False], ids=["verification", "serving"])
+def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeypatch, oracle):
     model, _ = tiny_random_model("llama")
     model = model.to(torch.bfloat16)
     ids = torch.randint(3, 128, (N,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -29,7 +32,8 @@ def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeyp
         out = real(self, layer, query, key, value, scale, **kwargs)
         if query.shape[-2] == 1 and kwargs.get("stats") and layer == 0:
             buf = self.layers[0]
-            assert buf.keys.dtype == buf.values.dtype == torch.float32
+            assert buf.keys.dtype == buf.values.dtype == torch.bfloat16  # held in the model's dtype
+            assert buf.offset.dtype == buf.one_minus_pi.dtype == torch.float32
             bsz, n_q, _, d = query.shape
             g = n_q // key.shape[1]
             seen.append(
@@ -49,7 +53,7 @@ def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeyp
     monkeypatch.setattr(attention_module.Bucket, "attend", spy)
     with no_eos(model):
         res = generate_variants(
-            model, None, prompt, [FULL, policy], DecodeOptions(max_new_tokens=STEPS, backend="torch")
+            model, None, prompt, [FULL, policy], DecodeOptions(max_new_tokens=STEPS, backend="torch", oracle=oracle)
         )
     assert len(res[1].tokens) == STEPS and all(isinstance(t, int) for t in res[1].tokens)
     variance = res[1].stats["variance"]  # (steps, layers, Hq), float32

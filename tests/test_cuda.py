@@ -59,3 +59,23 @@ def test_bf16_on_cuda_runs_with_float32_statistics():
     with no_eos(model):
         (res,) = generate_variants(model, None, _prompt(), [policy], DecodeOptions(max_new_tokens=STEPS))
     assert res.stats["variance"].dtype == np.float32 and np.isfinite(res.stats["variance"]).all()
+
+
+def test_serving_on_cuda_keeps_and_decodes_what_cpu_serving_does():
+    """Serving mode (oracle off, each layer compressed inside the prefill forward) on the device: the same tokens
+    and certificate as on the CPU, and the caches on the device in the model's dtype."""
+    from kvcert.hf import compress_while_reading
+
+    policies = [FULL] + [Policy(scorer="key_norm", design=d, budget=0.5, seed=2) for d in ("topk", "randomized")]
+    opts = DecodeOptions(max_new_tokens=STEPS, oracle=False, backend="torch")
+    runs = {}
+    for device in ("cpu", "cuda"):
+        model, _ = tiny_random_model("llama")
+        model = model.to(device)
+        with no_eos(model):
+            batch = compress_while_reading(model, _prompt(), policies, opts)
+            assert all(buf.keys.device.type == device for b in batch.state.buckets for buf in b.layers)
+            runs[device] = batch.decode(opts)
+    for a, b in zip(runs["cpu"], runs["cuda"]):
+        assert a.tokens == b.tokens, a.policy.label
+        assert np.allclose(a.stats["variance"], b.stats["variance"], rtol=1e-3, atol=1e-5, equal_nan=True)

@@ -1,7 +1,8 @@
 """The child-process protocol: measurements that need a fresh process (peak memory over a clean baseline, the
 OMP_WAIT_POLICY environment) run as
 
-    python -m kvcert.bench.child {memory|decode} --model ... [--tokens --variants --max-new-tokens --steps --reps]
+    python -m kvcert.bench.child {memory|serving|decode} --model ... [--tokens --variants --budget --max-new-tokens
+        --steps --reps]
 
 with kvcert's src on PYTHONPATH; the child prints one JSON object as the last line of stdout and exits 0, or exits
 non-zero with the error on stderr (the parent raises with its last line)."""
@@ -59,6 +60,21 @@ def rss_mb() -> float:
         return kb / 1024 if sys.platform != "darwin" else kb / 2**20
 
 
+def release_free_memory() -> None:
+    """Hand the allocator's free pages back to the OS (glibc malloc_trim), so that the RSS baseline is what is alive,
+    not what model loading once used; a no-op where there is no glibc."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# large blocks straight from mmap, so freed memory leaves the RSS at once (glibc; ignored elsewhere)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 @contextmanager
 def rss_peak_sampler(interval_s: float = 0.002):
     """Peak current RSS while the block runs (ru_maxrss alone is useless here: model loading sets a higher
@@ -105,6 +121,86 @@ def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) ->
     return out
 
 
+def kv_bytes(batch) -> int:
+    """Bytes of the keys and values a CompressedBatch holds: every bucket and layer, padding and the slots reserved
+    for the tokens still to come included."""
+    return sum(
+        buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
+        for bucket in batch.state.buckets
+        for buf in bucket.layers
+    )
+
+
+def serving_memory(model, device: str, tokens: int, budget: float, max_new_tokens: int) -> dict:
+    """Serving mode (oracle off, certificate on) for one policy: window_question x randomized at `budget`, or the
+    full cache (budget 1): peak memory of prefill + compression + decoding above the loaded, warmed-up model (CPU:
+    sampled RSS; CUDA: torch.cuda.max_memory_allocated), and the KV bytes the compressed caches hold."""
+    from kvcert.hf import FULL, DecodeOptions, Policy, Prompt, compress_while_reading
+
+    ids, qs = synthetic_prompt(model, tokens)
+    policy = FULL if budget >= 1 else Policy(scorer="window_question", design="randomized", budget=budget)
+    opts = DecodeOptions(max_new_tokens=max_new_tokens, oracle=False, certificate=True)
+    cuda = torch.device(device).type == "cuda"
+    with no_eos(model):
+        warm = Prompt(input_ids=ids[:64], question_start=32, example_id="warm")
+        compress_while_reading(model, warm, [policy], opts).decode(opts)
+        release_free_memory()
+        base = rss_mb()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base_gpu = torch.cuda.memory_allocated()
+        with rss_peak_sampler() as peak:
+            prompt = Prompt(input_ids=ids, question_start=qs, example_id="serving")
+            batch = compress_while_reading(model, prompt, [policy], opts)
+            held = kv_bytes(batch)
+            batch.decode(opts)
+            del batch
+    out = dict(rss_baseline_mb=base, rss_peak_mb=peak[0], peak_delta_mb=max(peak[0] - base, 0.0), kv_bytes=held)
+    if cuda:
+        torch.cuda.synchronize()
+        out["gpu_peak_delta_mb"] = (torch.cuda.max_memory_allocated() - base_gpu) / 2**20
+    return out
+
+
+def child_serving(model_name, device, dtype, tokens, budget, max_new_tokens) -> dict:
+    torch.set_num_threads(1)
+    model, _ = load(model_name, device, dtype)
+    return serving_memory(model, device, tokens, budget, max_new_tokens)
+
+
+def serving_ratios(rows: list[dict], peak_key: str) -> dict:
+    """The two targets at the longest prompt: KV bytes held and peak memory, budget 0.25 over the full cache."""
+    n = max(r["tokens"] for r in rows)
+    at = {r["budget"]: r for r in rows if r["tokens"] == n}
+    full, quarter = at[1.0], at[0.25]
+    return dict(
+        rows=rows,
+        tokens=n,
+        peak=peak_key,
+        kv_memory_ratio=quarter["kv_bytes"] / full["kv_bytes"],
+        peak_memory_ratio=quarter[peak_key] / full[peak_key],
+    )
+
+
+def bench_serving(model_name, cfg, device, dtype, log) -> dict:
+    """Serving mode's memory: one policy at each budget against the full cache, per prompt length, each in a fresh
+    process; the two ratios at the longest length."""
+    rows = []
+    for n in cfg.serving_lengths:
+        for budget in cfg.serving_budgets:
+            args = ["serving", "--model", model_name, "--device", device, "--dtype", dtype]
+            args += ["--tokens", str(n), "--budget", str(budget), "--max-new-tokens", str(cfg.max_new_tokens)]
+            r = run_child(args, env_extra=MALLOC_ENV)
+            rows.append(dict(tokens=n, budget=budget, **r))
+            log(
+                f"  serving n={n} budget={budget:g}: KV held {r['kv_bytes'] / 2**20:.0f} MiB, "
+                f"peak above the model {r['peak_delta_mb']:.0f} MB"
+            )
+    peak_key = "gpu_peak_delta_mb" if torch.device(device).type == "cuda" else "peak_delta_mb"
+    return serving_ratios(rows, peak_key)
+
+
 def child_decode(model_name, device, dtype, cfg, threads: int) -> dict:
     torch.set_num_threads(threads)
     model, _ = load(model_name, device, dtype)
@@ -141,12 +237,13 @@ def bench_memory(model_name, cfg, device, dtype, log) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcert.bench.child")
-    ap.add_argument("kind", choices=["memory", "decode"])
+    ap.add_argument("kind", choices=["memory", "serving", "decode"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--variants", type=int, default=24)
+    ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--reps", type=int, default=2)
@@ -154,6 +251,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.kind == "memory":
         r = child_memory(a.model, a.device, a.dtype, a.tokens, a.variants, a.max_new_tokens)
+    elif a.kind == "serving":
+        r = child_serving(a.model, a.device, a.dtype, a.tokens, a.budget, a.max_new_tokens)
     else:
         cfg = replace(
             FULL_CONFIG, decode_tokens=a.tokens, decode_variants=a.variants, decode_steps=a.steps, decode_reps=a.reps

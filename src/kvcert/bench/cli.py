@@ -40,7 +40,7 @@ def run_bench(
     tokenizer=None,
     roofline_figure: Path | None = None,
 ) -> dict:
-    from kvcert.bench.child import bench_memory
+    from kvcert.bench.child import bench_memory, bench_serving
 
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,10 @@ def run_bench(
     if memory:
         log("4. memory")
         res["memory"] = bench_memory(model_name, cfg, device, dtype, log)
+        log("4b. serving memory")
+        res["serving"] = bench_serving(model_name, cfg, device, dtype, log)
+        res["serving_kv_memory_ratio"] = res["serving"]["kv_memory_ratio"]
+        res["serving_peak_memory_ratio"] = res["serving"]["peak_memory_ratio"]
     else:
         res["memory"] = []
     hv = cfg.headline_variants if cfg.headline_variants in cfg.variants else max(cfg.variants)

@@ -36,6 +36,10 @@ class BenchConfig:
     omp_reps: int = 2
     memory_lengths: tuple[int, ...] = (1024, 2048, 4096)
     memory_variants: tuple[int, ...] = (1, 8, 24)
+    # serving mode (oracle off): one policy at these budgets (1.0 = the full cache) per prompt length; 8,176 + the
+    # new tokens stays inside SmolLM2's 8,192 positions
+    serving_lengths: tuple[int, ...] = (4096, 8176)
+    serving_budgets: tuple[float, ...] = (1.0, 0.5, 0.25)
     headline_variants: int = 24
     headline_tokens: int = 1024
     # roofline: decode step at every (variants, tokens), plain / certificate / certificate + oracle
@@ -64,6 +68,7 @@ QUICK_CONFIG = BenchConfig(
     omp_reps=0,
     memory_lengths=(1024,),
     memory_variants=(24,),
+    serving_lengths=(1024,),
     roofline_lengths=(1024,),
     roofline_steps=5,
     roofline_reps=2,
@@ -96,9 +101,32 @@ def synthetic_prompt(model, n: int, seed: int = 0) -> tuple[list[int], int]:
     return ids, max(1, n - min(QUESTION_TOKENS, n // 2))
 
 
+# SmolLM2-135M's architecture (LlamaForCausalLM), for `smollm2-135m-random`: its shape with seeded random weights, for
+# time and memory where the packaged weights cannot go (a GPU machine without the package); never for answers
+SMOLLM2_SHAPE = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
 def load(model_name: str, device: str, dtype: str):
     from kvcert.hf import load_model, tiny_random_model
 
+    if model_name == "smollm2-135m-random":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).eval()
+        return model.to(device=device, dtype=getattr(torch, dtype)), None
     if model_name.startswith("tiny-"):
         model, tok = tiny_random_model(model_name.removeprefix("tiny-"), max_position_embeddings=8192)
         return model.to(device=device, dtype=getattr(torch, dtype)), tok

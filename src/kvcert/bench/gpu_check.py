@@ -1,10 +1,12 @@
 """`make gpu-check`: the CUDA-marked tests and a small decode bench on a GPU, in one script under 5 minutes.
 
-    python -m kvcert.bench.gpu_check [--model smollm2-135m-instruct] [--out results/bench/gpu_check.json]
+    python -m kvcert.bench.gpu_check [--model smollm2-135m-instruct] [--dtype float32] [--out FILE.json]
 
 Prints, per (prompt tokens, variants, certificate + oracle on / off): seconds per decode step of the whole variant
 set, peak GPU memory (torch.cuda.max_memory_allocated, reset per configuration) and the KV bytes the compressed
-caches hold; then writes them as JSON. Exits 2 with one line when no CUDA device is visible.
+caches hold; then serving mode's memory (one policy at budgets 1 / 0.5 / 0.25, oracle off, 4k and 8k tokens) and
+its two ratios; then writes them as JSON. Exits 2 with one line when no CUDA device is visible. `--model
+smollm2-135m-random` is SmolLM2-135M's shape with random weights, for a machine without the weights package.
 """
 
 from __future__ import annotations
@@ -18,23 +20,16 @@ from pathlib import Path
 
 import torch
 
+from kvcert.bench.child import kv_bytes
 from kvcert.bench.common import load, no_eos, policy_grid, sync, synthetic_prompt
 
 CONFIGS = [(1024, 8), (1024, 24), (4096, 24)]
+SERVING_LENGTHS, SERVING_BUDGETS = (4096, 8176), (1.0, 0.5, 0.25)
 STEPS = 16
 
 
-def kv_bytes(batch) -> int:
-    """Bytes of the compressed caches' keys and values (every bucket and layer) of a CompressedBatch."""
-    return sum(
-        buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
-        for bucket in batch.state.buckets
-        for buf in bucket.layers
-    )
-
-
 def bench(model, n: int, variants: int, oracle: bool, device: str = "cuda") -> dict:
-    from kvcert.hf import DecodeOptions, Prefill, Prompt
+    from kvcert.hf import DecodeOptions, Prefill, Prompt, compress_while_reading
 
     ids, qs = synthetic_prompt(model, n)
     opts = DecodeOptions(max_new_tokens=STEPS, oracle=oracle, certificate=oracle)
@@ -54,8 +49,11 @@ def bench(model, n: int, variants: int, oracle: bool, device: str = "cuda") -> d
         last[0] = now
 
     with no_eos(model):
-        prefill = Prefill.record(model, Prompt(input_ids=ids, question_start=qs, example_id="gpu"))
-        batch = prefill.compress(policies, opts)
+        prompt = Prompt(input_ids=ids, question_start=qs, example_id="gpu")
+        if oracle:  # verification mode: the full prompt recorded for the oracle
+            batch = Prefill.record(model, prompt).compress(policies, opts)
+        else:  # serving mode: each layer compressed inside the prefill forward
+            batch = compress_while_reading(model, prompt, policies, opts)
         held = kv_bytes(batch)
         batch.decode(opts, None, on_step=on_step)
     return {
@@ -94,7 +92,31 @@ def main(argv: list[str] | None = None) -> int:
                 f"KV held {row['kv_bytes_held'] / 2**20:.0f} MiB",
                 flush=True,
             )
-    result = {"device": torch.cuda.get_device_name(), "model": args.model, "dtype": args.dtype, "rows": rows}
+    from kvcert.bench.child import serving_memory, serving_ratios
+
+    serving = []
+    for n in SERVING_LENGTHS:
+        for budget in SERVING_BUDGETS:
+            row = dict(tokens=n, budget=budget, **serving_memory(model, "cuda", n, budget, 8))
+            serving.append(row)
+            print(
+                f"[kvcert] serving {n} tokens, budget {budget:g}: KV held {row['kv_bytes'] / 2**20:.0f} MiB, "
+                f"peak above the model {row['gpu_peak_delta_mb']:.0f} MiB",
+                flush=True,
+            )
+    ratios = serving_ratios(serving, "gpu_peak_delta_mb")
+    print(
+        f"[kvcert] serving_kv_memory_ratio {ratios['kv_memory_ratio']:.3f} (target <= 0.30), "
+        f"serving_peak_memory_ratio {ratios['peak_memory_ratio']:.3f} (target <= 0.5) at {ratios['tokens']} tokens"
+    )
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "model": args.model,
+        "dtype": args.dtype,
+        "rows": rows,
+        "serving": ratios,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"[kvcert] -> {args.out}")

@@ -264,6 +264,27 @@ def write_markdown(res: dict, path: Path) -> None:
         lines.append(
             f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | {r['rss_baseline_mb']:.0f} |"
         )
+    sv = res.get("serving")
+    if sv:
+        lines += [
+            "",
+            "## 4b. Serving mode: one policy (window_question x randomized), oracle off, against the full cache",
+            "",
+            "Each layer is compressed inside its prefill forward; KV held = the compressed caches' keys and values",
+            "(padding and the slots of the tokens to come included); peak = above the loaded, warmed-up model.",
+            "",
+            "| tokens | budget | KV held (MiB) | peak (MB) |",
+            "|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['tokens']} | {r['budget']:g} | {r['kv_bytes'] / 2**20:.0f} | {r[sv['peak']]:.0f} |"
+            for r in sv["rows"]
+        ]
+        lines += [
+            "",
+            f"At {sv['tokens']} tokens: serving_kv_memory_ratio {sv['kv_memory_ratio']:.3f} (target <= 0.30), "
+            f"serving_peak_memory_ratio {sv['peak_memory_ratio']:.3f} (target <= 0.5).",
+        ]
     if "num_threads_step_s" in t:
         lines += [
             "",

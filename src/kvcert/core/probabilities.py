@@ -40,7 +40,21 @@ def inclusion_probabilities(
     return pi * candidates
 
 
-def poisson_sample(pi: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Independent Bernoulli(pi_i) draws; the generator is the only source of randomness."""
-    draws = torch.rand(pi.shape, generator=generator, dtype=torch.float64, device=generator.device)
+def uniform_draws(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """The Uniform(0, 1) numbers behind a Poisson sample of `shape`, float64, on the generator's device."""
+    return torch.rand(shape, generator=generator, dtype=torch.float64, device=generator.device)
+
+
+def poisson_sample(
+    pi: torch.Tensor, generator: torch.Generator | None, draws: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Independent Bernoulli(pi_i) draws; the generator is the only source of randomness. `draws`: the uniforms,
+    drawn earlier by `uniform_draws(pi.shape, generator)` (a layer-by-layer compression draws every layer's at once,
+    so it keeps exactly what the all-layer call keeps)."""
+    if draws is None:
+        if generator is None:
+            raise ValueError("poisson_sample needs a generator or pre-drawn uniforms")
+        draws = uniform_draws(tuple(pi.shape), generator)
+    elif tuple(draws.shape) != tuple(pi.shape):
+        raise ValueError(f"pre-drawn uniforms have shape {tuple(draws.shape)}, pi has {tuple(pi.shape)}")
     return draws.to(pi.device) < pi

@@ -1,13 +1,14 @@
 """The thin glue between kvcert and transformers: loading, the attention function, one example's flow.
 
-prefill = Prefill.record(model, prompt)      -> batch = prefill.compress(policies, options)
-results = batch.decode(options, tokenizer)   (generate_variants composes the three)
+verification (oracle on): prefill = Prefill.record(model, prompt) -> batch = prefill.compress(policies, options)
+serving (oracle off):      batch = compress_while_reading(model, prompt, policies, options)
+results = batch.decode(options, tokenizer)   (generate_variants picks the mode from options.oracle)
 """
 
 from kvcert.hf.decode import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, VariantResult
 from kvcert.hf.generate import generate_variants
 from kvcert.hf.loading import ModelLoadError, load_model
-from kvcert.hf.prefill import CompressedBatch, Prefill, Prompt
+from kvcert.hf.prefill import CompressedBatch, Prefill, Prompt, compress_while_reading
 from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_random_model
 
@@ -21,6 +22,7 @@ __all__ = [
     "Prefill",
     "Prompt",
     "VariantResult",
+    "compress_while_reading",
     "generate_variants",
     "load_model",
     "tiny_random_model",

@@ -6,9 +6,13 @@ state owns the keys/values, so the layout stays under our control. Positions are
 passes: the runner passes the uncompressed positions, so a compressed cache never shifts RoPE.
 
 - `RecordState` (batch 1): exact causal attention over the prompt; keeps the full keys/values (the oracle) and the
-  queries of the observation windows the scorers read.
+  queries of the observation windows the scorers read (verification mode).
+- `CompressingState` (batch 1): exact causal attention over the prompt, and each layer handed to a callback that
+  keeps what it needs (serving mode: the layer's compressed caches) before the next layer runs; no full keys/values
+  are kept, so the full cache of all layers never coexists.
 - `CompressedState` (batch = variants): per (variant, KV head) the kept prompt tokens, tail first, then head, then
-  padding (offset -inf), then every token appended after compression (pi = 1, offset 0). Offset (Hajek) attention
+  padding (offset -inf), then every token appended after compression (pi = 1, offset 0), in the model's dtype;
+  attention, certificate and oracle compute in float32. Offset (Hajek) attention
   and, at single-token decode steps, the certificate variance and, when an oracle is attached, the exact output of
   the same query over the full prompt plus the variant's own appended tokens.
 """
@@ -83,6 +87,36 @@ def kvcert_attention_on(model: PreTrainedModel) -> Iterator[PreTrainedModel]:
             _set_attention(model, previous)
 
 
+@contextmanager
+def chunked_feed_forward(model: PreTrainedModel, chunk: int = 1024) -> Iterator[PreTrainedModel]:
+    """Inside the block, each decoder layer's MLP reads a long sequence `chunk` tokens at a time. An MLP (or a
+    mixture of experts) acts on each token alone, so the output is the same, and a long prompt's MLP activations
+    (about 3 x tokens x intermediate size) never exist at once: serving mode's prefill peak is then the compressed
+    caches plus a few hidden states, not the MLP of the whole prompt (as `chunk_size_feed_forward` once did)."""
+    patched = []
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        forward = mlp.forward
+
+        def chunked(x, *args, _forward=forward, **kwargs):
+            if args or kwargs or x.dim() < 2 or x.shape[-2] <= chunk:
+                return _forward(x, *args, **kwargs)
+            parts = [_forward(part) for part in x.split(chunk, dim=-2)]
+            if all(isinstance(part, torch.Tensor) for part in parts):
+                return torch.cat(parts, dim=-2)
+            return _forward(x)  # an MLP that returns more than the hidden states (router logits): whole
+
+        mlp.forward = chunked
+        patched.append(mlp)
+    try:
+        yield model
+    finally:
+        for mlp in patched:
+            del mlp.forward  # the class's forward again
+
+
 @torch.no_grad()
 def forward_with_state(model: PreTrainedModel, input_ids: torch.Tensor, position: int, state) -> torch.Tensor:
     """One forward pass through a kvcert state; returns the logits of the last position per sequence (B, V).
@@ -129,16 +163,55 @@ class RecordState:
             mask = torch.ones(t, k.shape[-2], dtype=torch.bool, device=k.device).tril(diagonal=start)
             if window is not None:
                 mask &= ~torch.ones_like(mask).tril(diagonal=start - window)
-        return F.scaled_dot_product_attention(
-            query, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
-        )
+        return sdpa(query, k, v, mask=mask, scale=scale)
+
+
+def sdpa(query, key, value, *, mask, scale: float) -> torch.Tensor:
+    """Exact attention of the query heads over grouped key/value heads (causal when mask is None). On CUDA the
+    key/value heads are expanded first: the fused kernels that take float32 do not take grouped heads, and
+    without one the whole (heads, tokens, tokens) score matrix would be materialized (4.8 GiB at 8k tokens on
+    SmolLM2); on the CPU the flash kernel takes grouped heads as they are."""
+    gqa = query.shape[1] != key.shape[1]
+    if gqa and query.device.type == "cuda":
+        group = query.shape[1] // key.shape[1]
+        key, value, gqa = key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), False
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+    )
+
+
+def causal_attention(query, key, value, scale: float, window: int | None) -> torch.Tensor:
+    """Exact causal attention of a whole chunk read from position 0 (a sliding-window layer sees the last `window`
+    tokens including itself)."""
+    mask = None
+    if window is not None:
+        t = query.shape[-2]
+        mask = torch.ones(t, t, dtype=torch.bool, device=key.device).tril()
+        mask &= ~torch.ones_like(mask).tril(diagonal=-window)
+    return sdpa(query, key, value, mask=mask, scale=scale)
+
+
+class CompressingState:
+    """Batch 1, one chunk from position 0, exact causal attention; after each layer's attention,
+    `on_layer(layer, query, key, value)` keeps what it needs, and the state keeps nothing."""
+
+    def __init__(self, on_layer):
+        self.on_layer = on_layer
+        self.position = 0
+
+    def attend(self, layer: int, query, key, value, scale: float, window: int | None = None) -> torch.Tensor:
+        if self.position != 0:
+            raise RuntimeError("CompressingState reads one chunk from position 0")
+        out = causal_attention(query, key, value, scale, window)
+        self.on_layer(layer, query, key, value)
+        return out
 
 
 # ------------------------------------------------------------------------------------------------ compressed
 @dataclass(kw_only=True)
 class LayerBuffers:
-    """One layer's compressed cache for a batch of variants (float32 from construction on). Keys are stored
-    transposed, (d, slots), so q K^T is a plain GEMM."""
+    """One layer's compressed cache for a batch of variants: keys and values in the model's dtype (keys stored
+    transposed, (d, slots), so q K^T is a plain GEMM), offsets and 1 - pi in float32."""
 
     keys: torch.Tensor  # (B, Hkv, d, capacity)
     values: torch.Tensor  # (B, Hkv, capacity, d)
@@ -198,7 +271,7 @@ class LayerGroup:
         s = self.tail_slots
         omp = torch.stack([b.one_minus_pi for b in buffers])  # (n, B, Hkv, s)
         tail = (omp > 0).to(omp.dtype)
-        value_sq_norms = torch.stack([b.values[:, :, :s].square().sum(-1) for b in buffers])
+        value_sq_norms = torch.stack([b.values[:, :, :s].float().square().sum(-1) for b in buffers])
         inverse_omp = torch.where(omp > 0, 1 / omp.clamp_min(torch.finfo(omp.dtype).tiny), torch.zeros_like(omp))
         self.omp = omp
         # [tail indicator, ||v||^2, 1 / (1 - pi) on the tail]: the columns of the one tail matmul in `flush`
@@ -206,7 +279,9 @@ class LayerGroup:
         self.features = None  # tr(C^2)'s packed sketch features of the tail tokens (values are fixed after compression)
         if certified and self.compressed and s:
             sketch = value_sketch(first.values.shape[-1], first.values.device)
-            self.features = torch.stack([tail_features(b.values[:, :, :s], sketch, packed=True) for b in buffers])
+            self.features = torch.stack(
+                [tail_features(b.values[:, :, :s].float(), sketch, packed=True) for b in buffers]
+            )
         self.psi: torch.Tensor | None = None  # tr(C^2) / V_hat^2 of the last refresh (tight_radius_every > 1)
         self.rows: torch.Tensor | None = None
         self.out: torch.Tensor | None = None
@@ -421,7 +496,7 @@ class Bucket:
         n_kv = key.shape[1]
         g = n_q // n_kv
         lo, hi = self.append(layer, key, value)
-        q = query.reshape(bsz, n_kv, g * t, d).to(buf.keys.dtype)
+        q = query.reshape(bsz, n_kv, g * t, d).float()
         mask = None
         if t > 1:  # new tokens see the cache and each other causally; rows are (group, t) flattened
             cols = torch.arange(hi, device=q.device)
@@ -432,11 +507,13 @@ class Bucket:
             window_mask = self.window_mask(layer, lo, hi, g, t, q.dtype)
             mask = window_mask if mask is None else mask + window_mask
         keys_t, values, offset = buf.keys[..., :hi], buf.values[:, :, :hi], buf.offset[:, :, :hi]
+        if keys_t.dtype != torch.float32:  # a bf16 / fp16 cache: the math runs in float32 on a per-layer copy
+            keys_t, values = keys_t.float(), values.float()
         if not (stats and t == 1):
             out = offset_softmax(q, keys_t, offset, scale=scale, mask=mask) @ values
             return out.reshape(bsz, n_q, t, d).to(query.dtype)
         grp, local = self.where[layer]
-        rows_buf, out_buf = grp.work(local, n_kv, g, values.shape[-1], buf.capacity, buf.values)
+        rows_buf, out_buf = grp.work(local, n_kv, g, values.shape[-1], buf.capacity, buf.offset)
         p = rows_buf[..., :g, :hi]
         offset_softmax(q, keys_t, offset, scale=scale, mask=mask, out=p)
         variance = certificate and self.certified and grp.compressed

@@ -1,9 +1,14 @@
-"""How one policy compresses the recorded prompt of every layer: scores from the registered scorer, a draw from the
-registered design, and the tokens that are always kept (the observation window, or the protected question).
+"""How one policy compresses the recorded prompt: scores from the registered scorer, a draw from the registered
+design, and the tokens that are always kept (the observation window, or the protected question).
 
 Budget accounting: a budget is a fraction of the tokens in the cache at compression time (`region`: the whole
 prompt when compress_after=prompt, the context when compress_after=context); the always-kept tokens count against
 it and the design draws the rest from the candidates before them.
+
+Two ways in, one selection: `compress` takes every layer's keys at once (verification mode: the full prompt is kept
+for the oracle anyway), `select_layers` any subset of layers (serving mode compresses each layer inside its prefill
+forward). A policy's random numbers (`PolicyDraws`) are drawn up front for every layer, in the order the all-layer
+call draws them, so both keep exactly the same tokens for the same keys.
 
 Sliding-window layers (Gemma 2/3, Mistral-style, gpt-oss-style alternating layers) are not compressed: their window
 already bounds their cache, so they keep exactly the last `window - 1` tokens before the next position (every
@@ -17,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.core import get_design, keep_count
-from kvcert.core.scorers import SCORERS
-from kvcert.core.selection import Selection
+from kvcert.core.designs import DESIGN_SPECS
+from kvcert.core.probabilities import uniform_draws
+from kvcert.core.scorers import SCORERS, random_scores
 from kvcert.policy import Policy
 
 
@@ -30,7 +36,142 @@ class Compressed:
     offset: list[torch.Tensor]
     one_minus_pi: list[torch.Tensor]
     tail_slots: list[int]
-    kept_tokens: float  # mean kept prompt tokens per (layer, head)
+    kept_tokens: float | int  # mean kept prompt tokens per (layer, head) of the budget's (full-attention) layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What a policy keeps of a prompt, before any key is seen: candidates [0, lo), always kept [lo, hi)."""
+
+    region: int
+    lo: int
+    hi: int
+    n_keep: int  # tokens the design draws from the candidates
+
+    @classmethod
+    def of(cls, policy: Policy, *, region: int, forced: tuple[int, int] | None) -> Plan:
+        lo, hi = forced if forced is not None else (region, region)
+        return cls(region=region, lo=lo, hi=hi, n_keep=min(lo, max(0, keep_count(policy.budget, region) - (hi - lo))))
+
+
+@dataclass(frozen=True)
+class PolicyDraws:
+    """A policy's random numbers for every layer: the random scorer's scores (float32), then the design's Poisson
+    uniforms (float64), each (layers, Hkv, candidates), drawn in that order from the policy's generator."""
+
+    scores: torch.Tensor | None
+    tail: torch.Tensor | None
+
+    @classmethod
+    def draw(cls, policy: Policy, generator: torch.Generator, shape: tuple[int, int, int]) -> PolicyDraws:
+        if policy.is_full:
+            return cls(None, None)
+        scores = random_scores(shape, generator=generator) if policy.scorer == "random" else None
+        tail = uniform_draws(shape, generator) if DESIGN_SPECS[policy.design].random else None
+        return cls(scores, tail)
+
+    def take(self, layers: list[int]) -> PolicyDraws:
+        """The draws of some layers (a layer-by-layer compression takes one at a time)."""
+        return PolicyDraws(*(None if t is None else t[layers] for t in (self.scores, self.tail)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerKept:
+    """One layer's kept tokens for one policy: positions (Hkv, m), offsets (Hkv, m), 1 - pi (Hkv, tail_slots)."""
+
+    indices: torch.Tensor
+    offset: torch.Tensor
+    one_minus_pi: torch.Tensor
+    tail_slots: int
+    drawn: torch.Tensor | None  # (Hkv,) tokens the design kept (None: a sliding-window layer, outside the budget)
+
+
+def select_layers(
+    policy: Policy,
+    keys: torch.Tensor,
+    *,
+    layers: list[int],
+    plan: Plan,
+    window_queries: torch.Tensor | None,
+    scale: float,
+    draws: PolicyDraws,
+    pool_kernel: int = 5,
+    layer_windows: list[int | None] | None = None,
+    score_cache: dict | None = None,
+) -> list[LayerKept]:
+    """The kept tokens of `layers` (model indices) from their keys (len(layers), Hkv, >= lo, d) and, for window
+    scorers, the window's queries (len(layers), Hq, w, d)."""
+    n_layers, n_kv = len(layers), keys.shape[1]
+    device = keys.device
+    lo, hi, region = plan.lo, plan.hi, plan.region
+    windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
+    if policy.is_full:  # every token (a sliding-window layer's mask hides those that left its window)
+        idx = torch.arange(region, device=device).expand(n_kv, region)
+        zeros = torch.zeros(n_kv, region, device=device)
+        counts = torch.full((n_kv,), region, device=device)
+        return [LayerKept(indices=idx, offset=zeros, one_minus_pi=zeros[:, :0], tail_slots=0, drawn=counts)] * n_layers
+    n_forced = hi - lo
+    # scores depend on the scorer, the candidates and the layers only, so policies that differ in design or budget
+    # share them (random scores are the policy's own draws and never shared)
+    key = (policy.scorer, lo, (lo, hi), pool_kernel, tuple(layers))
+    scores = score_cache.get(key) if score_cache is not None and policy.scorer != "random" else None
+    if scores is None:
+        if policy.scorer == "random":
+            scores = draws.scores.to(device)
+        else:
+            scores = SCORERS[policy.scorer].score(
+                keys[:, :, :lo], window_queries=window_queries, scale=scale, pool_kernel=pool_kernel, generator=None
+            )
+        if score_cache is not None and policy.scorer != "random":
+            score_cache[key] = scores
+    sel = get_design(policy.design)(
+        scores.float().clamp_min(0),
+        plan.n_keep,
+        tail_fraction=policy.tail_fraction,
+        floor=policy.floor,
+        score_power=policy.score_power,
+        generator=None,
+        draws=draws.tail,
+    )
+    always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
+    indices = torch.cat([sel.indices, always], dim=-1)
+    offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
+    omp = sel.one_minus_pi[..., : sel.tail_slots]
+    out = []
+    for local, w in enumerate(windows):
+        if w is None:
+            out.append(
+                LayerKept(
+                    indices=indices[local],
+                    offset=offset[local],
+                    one_minus_pi=omp[local],
+                    tail_slots=sel.tail_slots,
+                    drawn=sel.kept_counts[local],
+                )
+            )
+        else:  # keep the window exactly
+            lo_w = max(0, region - (w - 1))
+            idx = torch.arange(lo_w, region, device=device).expand(n_kv, region - lo_w)
+            zeros = torch.zeros(n_kv, region - lo_w, device=device)
+            out.append(LayerKept(indices=idx, offset=zeros, one_minus_pi=zeros[:, :0], tail_slots=0, drawn=None))
+    return out
+
+
+def assemble_layers(policy: Policy, plan: Plan, layers: list[LayerKept]) -> Compressed:
+    """Every layer's kept tokens as one policy's Compressed; kept_tokens is the mean over the budget's layers."""
+    if policy.is_full:
+        kept = plan.region
+    else:
+        drawn = [k.drawn for k in layers if k.drawn is not None]
+        # drawn tokens (layers, Hkv) as float64, + the forced ones after the mean (float order)
+        kept = float(torch.stack(drawn).double().mean()) + (plan.hi - plan.lo) if drawn else float("nan")
+    return Compressed(
+        indices=[k.indices for k in layers],
+        offset=[k.offset for k in layers],
+        one_minus_pi=[k.one_minus_pi for k in layers],
+        tail_slots=[k.tail_slots for k in layers],
+        kept_tokens=kept,
+    )
 
 
 def compress(
@@ -46,77 +187,30 @@ def compress(
     layer_windows: list[int | None] | None = None,
     score_cache: dict | None = None,
 ) -> Compressed:
-    """Select the kept prompt tokens of every layer.
+    """Select the kept prompt tokens of every layer at once.
 
     region: tokens [0, region) of the recorded keys are the prompt at compression time.
     forced: (lo, hi) positions always kept (the observation window or the protected question), excluded from the
     candidates [0, lo); the budget (a fraction of `region`) counts them. None: every token is a candidate.
     """
-    n_layers = len(full_keys)
-    n_kv = full_keys[0].shape[1]
-    device = full_keys[0].device
-    if policy.is_full:  # every token (a sliding-window layer's mask hides those that left its window)
-        idx = torch.arange(region, device=device).expand(n_kv, region)
-        zeros = torch.zeros(n_kv, region, device=device)
-        return Compressed(
-            indices=[idx] * n_layers,
-            offset=[zeros] * n_layers,
-            one_minus_pi=[zeros[:, :0]] * n_layers,
-            tail_slots=[0] * n_layers,
-            kept_tokens=region,
-        )
-    lo, hi = forced if forced is not None else (region, region)
-    n_cand = lo  # candidates are [0, lo); the forced tokens [lo, hi) are kept; nothing after hi exists yet
-    n_forced = hi - lo
-    n_keep = min(n_cand, max(0, keep_count(policy.budget, region) - n_forced))
-    # scores depend on the scorer and the candidates only, so policies that differ in design or budget share them
-    # (random scores are drawn from the policy's own generator and never shared)
-    key = (policy.scorer, n_cand, forced, pool_kernel)
-    scores = score_cache.get(key) if score_cache is not None and policy.scorer != "random" else None
-    if scores is None:
-        keys = torch.stack([k[0, :, :n_cand] for k in full_keys])  # (L, Hkv, n_cand, d)
-        queries = torch.stack([w[0] for w in window_queries]) if window_queries is not None else None  # (L,Hq,w,d)
-        scores = SCORERS[policy.scorer].score(
-            keys, window_queries=queries, scale=scale, pool_kernel=pool_kernel, generator=generator
-        )
-        if score_cache is not None and policy.scorer != "random":
-            score_cache[key] = scores
-    sel: Selection = get_design(policy.design)(
-        scores.float().clamp_min(0),
-        n_keep,
-        tail_fraction=policy.tail_fraction,
-        floor=policy.floor,
-        score_power=policy.score_power,
-        generator=generator,
+    plan = Plan.of(policy, region=region, forced=forced)
+    n_layers, n_kv = len(full_keys), full_keys[0].shape[1]
+    draws = PolicyDraws.draw(policy, generator, (n_layers, n_kv, plan.lo))
+    if policy.is_full:  # nothing to score: an empty view stands for the keys
+        keys = full_keys[0][0, :, :0].expand(n_layers, -1, -1, -1)
+    else:
+        keys = torch.stack([k[0, :, : plan.lo] for k in full_keys])  # (L, Hkv, candidates, d)
+    queries = torch.stack([w[0] for w in window_queries]) if window_queries is not None else None  # (L, Hq, w, d)
+    kept = select_layers(
+        policy,
+        keys,
+        layers=list(range(n_layers)),
+        plan=plan,
+        window_queries=queries,
+        scale=scale,
+        draws=draws,
+        pool_kernel=pool_kernel,
+        layer_windows=layer_windows,
+        score_cache=score_cache,
     )
-    always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
-    indices = torch.cat([sel.indices, always], dim=-1)
-    offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
-    omp = sel.one_minus_pi[..., : sel.tail_slots]
-    kept_counts = sel.kept_counts.double()  # (L, Hkv) drawn tokens; + n_forced after the mean (float order)
-    out = Compressed(
-        indices=list(indices),
-        offset=list(offset),
-        one_minus_pi=list(omp),
-        tail_slots=[sel.tail_slots] * n_layers,
-        kept_tokens=float(kept_counts.mean()) + n_forced,
-    )
-    windows = layer_windows or [None] * n_layers
-    if all(w is None for w in windows):
-        return out
-    full = [layer for layer, w in enumerate(windows) if w is None]
-    for layer, w in enumerate(windows):
-        if w is not None:  # keep the window exactly
-            lo_w = max(0, region - (w - 1))
-            out.indices[layer] = torch.arange(lo_w, region, device=device).expand(n_kv, region - lo_w)
-            out.offset[layer] = torch.zeros(n_kv, region - lo_w, device=device)
-            out.one_minus_pi[layer] = out.one_minus_pi[layer][:, :0]
-            out.tail_slots[layer] = 0
-    kept = float(kept_counts[full].mean()) + n_forced if full else float("nan")  # the budget's layers only
-    return Compressed(
-        indices=out.indices,
-        offset=out.offset,
-        one_minus_pi=out.one_minus_pi,
-        tail_slots=out.tail_slots,
-        kept_tokens=kept,
-    )
+    return assemble_layers(policy, plan, kept)

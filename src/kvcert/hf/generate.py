@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvcert.hf.decode import DecodeOptions, VariantResult
-from kvcert.hf.prefill import Prefill
+from kvcert.hf.prefill import Prefill, compress_while_reading
 from kvcert.policy import Policy
 
 
@@ -23,7 +23,13 @@ def generate_variants(
 
     prompt: anything with `input_ids` and `question_start` (kvcert.tasks.Rendered, kvcert.hf.Prompt); the design
     draws are seeded from `example_id` (default: the prompt's example id). on_step(step) runs after each decode
-    step's forward (the benchmark times steps with it)."""
-    prefill = Prefill.record(model, prompt, context_window=options.context_window, example_id=example_id)
-    batch = prefill.compress(policies, options)
+    step's forward (the benchmark times steps with it).
+
+    With the oracle on (verification mode) the full prompt is recorded once and kept for the oracle; with it off
+    (serving mode) each layer is compressed inside the prefill forward and the full cache is never held."""
+    if options.oracle:
+        prefill = Prefill.record(model, prompt, context_window=options.context_window, example_id=example_id)
+        batch = prefill.compress(policies, options)
+    else:
+        batch = compress_while_reading(model, prompt, policies, options, example_id=example_id)
     return batch.decode(options, tokenizer, on_step=on_step)

@@ -82,7 +82,7 @@ def decode_attention(
     rows, outs = [], []
     for b, buf in zip(buckets, bufs):
         grp, local = b.where[layer]
-        work_rows, work_out = grp.work(local, n_kv, g, d, buf.capacity, buf.values)
+        work_rows, work_out = grp.work(local, n_kv, g, d, buf.capacity, buf.offset)
         rows.append(work_rows)
         outs.append(work_out)
     none = query.new_empty(0)

@@ -22,13 +22,15 @@ import torch
 from kvcert.hf.attention import (
     Bucket,
     CompressedState,
+    CompressingState,
     LayerBuffers,
     RecordState,
+    chunked_feed_forward,
     forward_with_state,
     kvcert_attention_on,
     layer_groups,
 )
-from kvcert.hf.compress import Compressed, compress
+from kvcert.hf.compress import Compressed, Plan, PolicyDraws, assemble_layers, compress, select_layers
 from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
 from kvcert.policy import Policy
 
@@ -120,6 +122,13 @@ class Prefill:
         return self._oracle_prefix[key]
 
     # ---------------------------------------------------------------------------------------------- compress
+    def _kept(self, comps: dict[int, Compressed], rows: list[int]) -> KeptTokens:
+        def kept(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            idx = comps[rows[row]].indices[layer]
+            return _take_tokens(self.full_keys[layer][0], idx), _take_tokens(self.full_values[layer][0], idx)
+
+        return kept
+
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
         n, qs = len(self.input_ids), self.question_start
         region = n if policy.compress_after == "prompt" else qs
@@ -155,37 +164,159 @@ class Prefill:
         n, qs = len(self.input_ids), self.question_start
         backend = resolve_backend(options.backend, self.full_keys[0], self.model.config)
         parts = []
-        for when in ("prompt", "context"):
-            rows = [i for i, p in enumerate(policies) if p.compress_after == when]
-            if not rows:
-                continue
+        for when, rows in _by_time(policies):
             comps = {i: self._compress_one(policies[i], options.pool_kernel) for i in rows}
             region = n if when == "prompt" else qs
-            certified = {i: policies[i].has_certificate for i in rows}
-            groups = _by_width(rows, comps, certified)
-            rows = [i for g in groups for i in g]
-            capacity = (n - region) + options.max_new_tokens + 1
-            buckets = [
-                _build_bucket([comps[i] for i in g], [policies[i] for i in g], self, region, capacity, options.oracle)
-                for g in groups
-            ]
-            state = CompressedState(buckets, backend)
-            if when == "prompt":
-                first = self.last_logits.expand(len(rows), -1)
-            else:
-                ids = torch.tensor([self.input_ids[qs:]], device=self.model.device).expand(len(rows), -1)
-                with kvcert_attention_on(self.model):
-                    first = forward_with_state(self.model, ids, qs, state)
-            parts.append((rows, buckets, [comps[i] for i in rows], first))
-        return CompressedBatch(
-            model=self.model,
-            policies=list(policies),
-            rows=[i for p in parts for i in p[0]],
-            state=CompressedState([b for p in parts for b in p[1]], backend),
-            comps=[c for p in parts for c in p[2]],
-            first_logits=torch.cat([p[3] for p in parts]),
-            start=n,
+            oracle = (lambda group, region=region: self.oracle_prefix(region, group)) if options.oracle else None
+            first = self.last_logits if when == "prompt" else None
+            parts.append(
+                _buckets(self.model, self.input_ids, qs, rows, policies, comps, self._kept, options, oracle, first)
+            )
+        return _batch(self.model, policies, parts, backend, n)
+
+
+def _by_time(policies: list[Policy]) -> list[tuple[str, list[int]]]:
+    """The policies' rows per compression time: after the prompt, then after the context."""
+    out = [(when, [i for i, p in enumerate(policies) if p.compress_after == when]) for when in ("prompt", "context")]
+    return [(when, rows) for when, rows in out if rows]
+
+
+def _buckets(
+    model,
+    input_ids: list[int],
+    qs: int,
+    rows: list[int],
+    policies: list[Policy],
+    comps: dict[int, Compressed],
+    kept: Callable[[dict[int, Compressed], list[int]], KeptTokens],
+    options: DecodeOptions,
+    oracle,
+    first: torch.Tensor | None,
+) -> tuple[list[int], list[Bucket], list[Compressed], torch.Tensor]:
+    """One compression time's rows in buckets of similar width; `first`: the full prefill's last logits (after the
+    prompt), or None: the rows read the question, chat suffix and answer prefix through their caches now."""
+    n = len(input_ids)
+    region = n if first is not None else qs
+    certified = {i: policies[i].has_certificate for i in rows}
+    groups = _by_width(rows, comps, certified)
+    rows = [i for g in groups for i in g]
+    capacity = (n - region) + options.max_new_tokens + 1
+    windows = layer_windows(model)
+    buckets = [
+        _build_bucket([comps[i] for i in g], [policies[i] for i in g], kept(comps, g), windows, capacity, oracle)
+        for g in groups
+    ]
+    if first is not None:
+        first = first.expand(len(rows), -1)
+    else:
+        ids = torch.tensor([input_ids[qs:]], device=model.device).expand(len(rows), -1)
+        with kvcert_attention_on(model):
+            first = forward_with_state(model, ids, qs, CompressedState(buckets, "torch"))
+    return rows, buckets, [comps[i] for i in rows], first
+
+
+def _batch(model, policies: list[Policy], parts: list[tuple], backend: str, start: int) -> CompressedBatch:
+    return CompressedBatch(
+        model=model,
+        policies=list(policies),
+        rows=[i for p in parts for i in p[0]],
+        state=CompressedState([b for p in parts for b in p[1]], backend),
+        comps=[c for p in parts for c in p[2]],
+        first_logits=torch.cat([p[3] for p in parts]),
+        start=start,
+    )
+
+
+class _LayerCompressor:
+    """Serving mode's per-layer step for the policies of one compression time: called with each layer's query, keys
+    and values inside the prefill forward, it keeps every policy's kept tokens of that layer (copied out of the
+    layer's keys/values, which are then dropped) until the buckets are built."""
+
+    def __init__(self, policies, rows, *, region, qs, ctx_lo, n, shape, example_id):
+        self.policies, self.rows = policies, rows
+        self.plans, self.draws, self.reads = {}, {}, {}
+        for i in rows:
+            policy = policies[i]
+            window = None if policy.is_full else policy.scorer_window
+            forced, read = None, None
+            if window == "question":
+                forced = read = (qs, n)
+            elif window == "context":
+                forced = read = (ctx_lo, qs)
+            elif policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
+                forced = (qs, n)
+            self.plans[i] = Plan.of(policy, region=region, forced=forced)
+            generator = torch.Generator().manual_seed(policy.generator_seed(example_id))
+            self.draws[i] = PolicyDraws.draw(policy, generator, (*shape, self.plans[i].lo))
+            self.reads[i] = read  # the window whose queries the scorer reads (None: keys only)
+        self.layers = {i: [None] * shape[0] for i in rows}  # LayerKept per layer
+        self.tokens = {i: [None] * shape[0] for i in rows}  # (kept keys, kept values) per layer
+        self.scale, self.windows, self.pool_kernel = 1.0, [None] * shape[0], 5
+
+    def __call__(self, layer: int, query, key, value) -> None:
+        scores: dict = {}  # this layer's scores per scorer, shared by its policies
+        for i in self.rows:
+            read = self.reads[i]
+            (kept,) = select_layers(
+                self.policies[i],
+                key,
+                layers=[layer],
+                plan=self.plans[i],
+                window_queries=None if read is None else query[:, :, read[0] : read[1]],
+                scale=self.scale,
+                draws=self.draws[i].take([layer]),
+                pool_kernel=self.pool_kernel,
+                layer_windows=self.windows,
+                score_cache=scores,
+            )
+            self.layers[i][layer] = kept
+            self.tokens[i][layer] = (_take_tokens(key[0], kept.indices), _take_tokens(value[0], kept.indices))
+
+    def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
+        def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out, self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # copied once, then freed
+            return out
+
+        return take
+
+
+@torch.no_grad()
+def compress_while_reading(
+    model, prompt, policies: list[Policy], options: DecodeOptions, *, example_id: str | None = None
+) -> CompressedBatch:
+    """Serving mode (no oracle): what `Prefill.record(...).compress(...)` returns, without ever holding the full
+    cache of all layers. The prompt is read once per compression time (the whole prompt for the policies compressed
+    after it, the context for those compressed after the context, as kvpress does), and inside that forward each
+    layer, as soon as its attention ran, is compressed for every policy: its kept tokens are copied out, in the
+    model's dtype, and its full keys/values are dropped before the next layer. The policies' random draws are made
+    up front for all layers (`PolicyDraws`), so each policy keeps what verification mode keeps for the same keys;
+    the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
+    chunk here (two there: context, then question)."""
+    ids_list = list(prompt.input_ids)
+    n, qs = len(ids_list), int(prompt.question_start)
+    if not 0 < qs < n:
+        raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
+    ctx_lo = qs - min(options.context_window, qs - 1)
+    cfg = model.config
+    n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    scale, windows = attention_scale(model), layer_windows(model)
+    example = example_id if example_id is not None else _example_id(prompt)
+    param = next(model.parameters())
+    backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), cfg)
+    ids = torch.tensor([ids_list], device=model.device)
+    parts = []
+    for when, rows in _by_time(policies):
+        region = n if when == "prompt" else qs
+        reader = _LayerCompressor(
+            policies, rows, region=region, qs=qs, ctx_lo=ctx_lo, n=n, shape=(n_layers, n_kv), example_id=example
         )
+        reader.scale, reader.windows, reader.pool_kernel = scale, windows, options.pool_kernel
+        with kvcert_attention_on(model), chunked_feed_forward(model):
+            logits = forward_with_state(model, ids[:, :region], 0, CompressingState(reader))
+        comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
+        first = logits if when == "prompt" else None
+        parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
+    return _batch(model, policies, parts, backend, n)
 
 
 def _by_width(
@@ -250,32 +381,46 @@ def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
 
 
+KeptTokens = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (row, layer) -> kept keys, values (Hkv, m, d)
+
+
 def _build_bucket(
-    comps: list[Compressed], policies: list[Policy], prefill: Prefill, region: int, capacity: int, oracle: bool
+    comps: list[Compressed],
+    policies: list[Policy],
+    kept: KeptTokens,
+    layer_windows: list[int | None],
+    capacity: int,
+    oracle: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> Bucket:
-    """Gather every variant's kept tokens into float32 buffers (offsets and 1 - pi stay fp32: exact under bf16),
-    keys stored (d, slots). The oracle's shared prefix is the prompt at compression time; tokens read later are
-    the variant's own, in one tensor per layer group."""
+    """Every variant's kept tokens in one set of buffers per layer, in the model's dtype (offsets and 1 - pi in
+    float32), keys stored (d, slots). The compressed layers share one width and one tail length (the widest row's),
+    so that they form one layer group. oracle(layers): the shared prefix (the prompt at compression time) of a layer
+    group; tokens read later are the variant's own, in one tensor per layer group."""
     layers = []
-    device = prefill.full_keys[0].device
-    for layer in range(len(prefill.full_keys)):
-        k_full, v_full = prefill.full_keys[layer][0], prefill.full_values[layer][0]  # (Hkv, n, d)
-        n_kv, _, d = k_full.shape
-        width = max(c.indices[layer].shape[-1] for c in comps)
-        slots = max(c.tail_slots[layer] for c in comps)
+    n_layers = len(layer_windows)
+    compressed = [i for i, w in enumerate(layer_windows) if w is None]
+    shared_width = max((c.indices[i].shape[-1] for c in comps for i in compressed), default=0)
+    shared_slots = max((c.tail_slots[i] for c in comps for i in compressed), default=0)
+    for layer in range(n_layers):
+        window = layer_windows[layer]
         b = len(comps)
-        values = torch.zeros(b, n_kv, width + capacity, d, dtype=torch.float32, device=device)
-        keys = values.new_zeros(b, n_kv, d, width + capacity)
-        offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
-        omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
+        width = shared_width if window is None else max(c.indices[layer].shape[-1] for c in comps)
+        slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
+        keys = values = offset = omp = None
         for row, c in enumerate(comps):
-            idx = c.indices[layer]
-            m = idx.shape[-1]
-            keys[row, :, :, :m] = _take_tokens(k_full, idx).transpose(-1, -2)
-            values[row, :, :m] = _take_tokens(v_full, idx)
+            k_row, v_row = kept(row, layer)  # (Hkv, m, d)
+            if keys is None:
+                n_kv, _, d = k_row.shape
+                device, dtype = k_row.device, k_row.dtype
+                values = torch.zeros(b, n_kv, width + capacity, d, dtype=dtype, device=device)
+                keys = values.new_zeros(b, n_kv, d, width + capacity)
+                offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
+                omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
+            m = k_row.shape[1]
+            keys[row, :, :, :m] = k_row.transpose(-1, -2)
+            values[row, :, :m] = v_row
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
-        window = prefill.layer_windows[layer]
         positions = None
         if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
             positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=device)
@@ -296,14 +441,14 @@ def _build_bucket(
             )
         )
     oracle_parts = None
-    if oracle:  # per layer group: the shared prefix and the rows' own parts, viewed by each layer's buffers
+    if oracle is not None:  # per layer group: the shared prefix and the rows' own parts, viewed by each layer's buffers
         oracle_parts = []
         for group in layer_groups(layers):
             n_kv, d = layers[group[0]].values.shape[1], layers[group[0]].values.shape[-1]
             own = [torch.zeros(len(group), len(comps), n_kv, capacity, d, device=device) for _ in range(2)]
             for local, layer in enumerate(group):
                 layers[layer].oracle_keys, layers[layer].oracle_values = own[0][local], own[1][local]
-            oracle_parts.append((*prefill.oracle_prefix(region, group), *own))
+            oracle_parts.append((*oracle(group), *own))
     rows = torch.tensor([p.has_certificate for p in policies], device=device)
     return Bucket(layers, certificate_rows=rows, oracle=oracle_parts)
 
@@ -318,6 +463,8 @@ def resolve_backend(backend: str, like: torch.Tensor, config) -> str:
     group = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
     if like.device.type != "cpu":
         reason = f"the model runs on {like.device.type}; the kernel is a CPU kernel"
+    elif like.dtype != torch.float32:
+        reason = f"the cache is {str(like.dtype).removeprefix('torch.')}; the kernel reads a float32 cache"
     elif head_dim > 256 or 2 * group > 16:
         reason = f"head_dim {head_dim} / query group {group} outside the kernel's limits (256 / 8)"
     else:

@@ -1,7 +1,9 @@
 """Designs: how a budget of kept tokens is drawn from importance scores. One file per design, one registry here.
 
-Every design has the same signature, `select(scores, n_keep, *, tail_fraction, floor, score_power, generator)`,
-and returns a `Selection`. The registry also says what a design promises: whether its retained set carries known
+Every design has the same signature, `select(scores, n_keep, *, tail_fraction, floor, score_power, generator,
+draws)`, and returns a `Selection`; `draws` are a random design's Uniform(0, 1) numbers drawn beforehand
+(`core.probabilities.uniform_draws(scores.shape, generator)`), which a compression one layer at a time slices.
+The registry also says what a design promises: whether its retained set carries known
 inclusion probabilities (a certificate) and whether it applies the -log(pi) offset.
 """
 

@@ -20,14 +20,15 @@ def select(
     floor: float = 0.2,
     score_power: float = 1.0,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
     offset: bool = True,
     design: str = "randomized",
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power)
-    if generator is None:
+    if generator is None and draws is None:
         raise ValueError("generator: the randomized design needs an explicit torch.Generator")
     n_head, n_tail = split_head_tail(n_keep, tail_fraction)
     head = top_head(scores, n_head)
     pi = inclusion_probabilities(scores, ~head, n_tail, floor=floor, score_power=score_power)
-    tail = poisson_sample(pi, generator) & ~head
+    tail = poisson_sample(pi, generator, draws) & ~head
     return assemble(head, tail, pi, design=design, offset=offset, has_certificate=True)

@@ -21,6 +21,7 @@ def select(
     floor: float = 0.2,
     score_power: float = 1.0,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
 ) -> Selection:
     return randomized_select(
         scores,
@@ -29,6 +30,7 @@ def select(
         floor=floor,
         score_power=score_power,
         generator=generator,
+        draws=draws,
         offset=False,
         design="randomized_no_offset",
     )

@@ -15,6 +15,7 @@ def select(
     floor: float = 0.0,
     score_power: float = 1.0,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power)
     head = top_head(scores, n_keep)

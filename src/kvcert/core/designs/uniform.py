@@ -19,13 +19,14 @@ def select(
     floor: float = 1.0,
     score_power: float = 1.0,
     generator: torch.Generator | None = None,
+    draws: torch.Tensor | None = None,
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power)
-    if generator is None:
+    if generator is None and draws is None:
         raise ValueError("generator: the uniform design needs an explicit torch.Generator")
     n_head, n_tail = split_head_tail(n_keep, tail_fraction)
     head = top_head(scores, n_head)
     n_cand = scores.shape[-1] - n_head
     pi = torch.where(head, 0.0, min(1.0, n_tail / max(n_cand, 1))).double()
-    tail = poisson_sample(pi, generator) & ~head
+    tail = poisson_sample(pi, generator, draws) & ~head
     return assemble(head, tail, pi, design="uniform", offset=True, has_certificate=True)
