@@ -132,14 +132,8 @@ class Prefill:
     def _compress_one(self, policy: Policy, pool_kernel: int) -> Compressed:
         n, qs = len(self.input_ids), self.question_start
         region = n if policy.compress_after == "prompt" else qs
-        window = None if policy.is_full else policy.scorer_window
-        forced, queries = None, None
-        if window == "question":
-            forced, queries = (qs, n), self.window_queries["question"]
-        elif window == "context":
-            forced, queries = self.context_window, self.window_queries["context"]
-        elif policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
-            forced = (qs, n)
+        forced, read = forced_tokens(policy, n, qs, self.context_window[0])
+        queries = None if read is None else self.window_queries[policy.scorer_window]
         generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
         return compress(
             policy,
@@ -173,6 +167,22 @@ class Prefill:
                 _buckets(self.model, self.input_ids, qs, rows, policies, comps, self._kept, options, oracle, first)
             )
         return _batch(self.model, policies, parts, backend, n)
+
+
+def forced_tokens(
+    policy: Policy, n: int, qs: int, ctx_lo: int
+) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """(always-kept positions, positions whose queries the scorer reads) of a policy over a prompt of n tokens whose
+    question starts at qs: the observation window is both (the question, or the last context tokens [ctx_lo, qs));
+    a protected question is only kept; None where there is none."""
+    window = None if policy.is_full else policy.scorer_window
+    if window == "question":
+        return (qs, n), (qs, n)
+    if window == "context":
+        return (ctx_lo, qs), (ctx_lo, qs)
+    if policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
+        return (qs, n), None
+    return None, None
 
 
 def _by_time(policies: list[Policy]) -> list[tuple[str, list[int]]]:
@@ -232,26 +242,19 @@ class _LayerCompressor:
     and values inside the prefill forward, it keeps every policy's kept tokens of that layer (copied out of the
     layer's keys/values, which are then dropped) until the buckets are built."""
 
-    def __init__(self, policies, rows, *, region, qs, ctx_lo, n, shape, example_id):
+    def __init__(self, policies, rows, *, region, qs, ctx_lo, n, shape, example_id, scale, windows, pool_kernel):
         self.policies, self.rows = policies, rows
+        self.scale, self.windows, self.pool_kernel = scale, windows, pool_kernel
         self.plans, self.draws, self.reads = {}, {}, {}
         for i in rows:
             policy = policies[i]
-            window = None if policy.is_full else policy.scorer_window
-            forced, read = None, None
-            if window == "question":
-                forced = read = (qs, n)
-            elif window == "context":
-                forced = read = (ctx_lo, qs)
-            elif policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
-                forced = (qs, n)
+            forced, read = forced_tokens(policy, n, qs, ctx_lo)
             self.plans[i] = Plan.of(policy, region=region, forced=forced)
             generator = torch.Generator().manual_seed(policy.generator_seed(example_id))
             self.draws[i] = PolicyDraws.draw(policy, generator, (*shape, self.plans[i].lo))
             self.reads[i] = read  # the window whose queries the scorer reads (None: keys only)
         self.layers = {i: [None] * shape[0] for i in rows}  # LayerKept per layer
         self.tokens = {i: [None] * shape[0] for i in rows}  # (kept keys, kept values) per layer
-        self.scale, self.windows, self.pool_kernel = 1.0, [None] * shape[0], 5
 
     def __call__(self, layer: int, query, key, value) -> None:
         scores: dict = {}  # this layer's scores per scorer, shared by its policies
@@ -308,9 +311,18 @@ def compress_while_reading(
     for when, rows in _by_time(policies):
         region = n if when == "prompt" else qs
         reader = _LayerCompressor(
-            policies, rows, region=region, qs=qs, ctx_lo=ctx_lo, n=n, shape=(n_layers, n_kv), example_id=example
+            policies,
+            rows,
+            region=region,
+            qs=qs,
+            ctx_lo=ctx_lo,
+            n=n,
+            shape=(n_layers, n_kv),
+            example_id=example,
+            scale=scale,
+            windows=windows,
+            pool_kernel=options.pool_kernel,
         )
-        reader.scale, reader.windows, reader.pool_kernel = scale, windows, options.pool_kernel
         with kvcert_attention_on(model), chunked_feed_forward(model):
             logits = forward_with_state(model, ids[:, :region], 0, CompressingState(reader))
         comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
