@@ -79,3 +79,24 @@ def test_serving_on_cuda_keeps_and_decodes_what_cpu_serving_does():
     for a, b in zip(runs["cpu"], runs["cuda"]):
         assert a.tokens == b.tokens, a.policy.label
         assert np.allclose(a.stats["variance"], b.stats["variance"], rtol=1e-3, atol=1e-5, equal_nan=True)
+
+
+def test_the_decode_waits_for_the_device_once_per_new_token():
+    """CUDA's sync debug mode counts every call that makes the host wait: one per new token (the end-of-answer
+    checks) and one for the statistics at the end, none inside the layer loop."""
+    from kvcert.bench.gpu_check import count_syncs
+    from kvcert.hf import Prefill
+
+    model, _ = tiny_random_model("llama")
+    model = model.to("cuda")
+    policies = [FULL] + [
+        Policy(scorer="streaming", design=d, budget=b, seed=1, compress_after="context")
+        for d, b in (("topk", 0.1), ("randomized", 0.2), ("randomized", 0.4))
+    ]
+    opts = DecodeOptions(max_new_tokens=STEPS)
+    with no_eos(model):
+        batch = Prefill.record(model, _prompt()).compress(policies, opts)
+        torch.cuda.synchronize()
+        res, sites = count_syncs(lambda: batch.decode(opts))
+    assert len(res[0].tokens) == STEPS
+    assert len(sites) <= STEPS + 1, sites

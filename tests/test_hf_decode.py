@@ -4,9 +4,12 @@ batch, the backend) beyond float rounding; stop strings."""
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import kvcert.hf.prefill as prefill_module
 from conftest import needs_cxx
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.hf.attention import CompressedState
 from kvcert.hf.decode import StopDetector, answer_length
 from kvcert.policy import FULL, Policy
 
@@ -225,3 +228,98 @@ def test_take_tokens_is_the_gather_it_replaces():
     idx[1, :3] = 49  # repeats and the last token
     assert torch.equal(_take_tokens(x, idx), gather_tokens(x, idx))
     assert torch.equal(_take_tokens(x, idx[:, :0]), gather_tokens(x, idx[:, :0]))
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts what would make the host wait for a GPU: reading a tensor's values (.tolist, .item, .cpu, bool / int /
+    float of a tensor) and the ops whose output size depends on values (nonzero, boolean-mask indexing, ...)."""
+
+    OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique", "_unique2"}
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        self.count = 0
+        for name in ("tolist", "cpu"):
+            method = getattr(torch.Tensor, name)
+
+            def counted(t, *args, _method=method, **kwargs):
+                self.count += 1
+                with self.paused():
+                    return _method(t, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        self.on = False
+
+    def paused(self):
+        from contextlib import contextmanager
+
+        @contextmanager
+        def off():
+            was, self.on = self.on, False
+            try:
+                yield
+            finally:
+                self.on = was
+
+        return off()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on and func._schema.name.split("::")[-1] in self.OPS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("oracle", [True, False])
+def test_the_decoder_reads_the_device_once_per_step(tiny_smol, monkeypatch, oracle):
+    """Ready for a GPU: no host read inside the forward (the layer loop), one per decode step (the new tokens and
+    their log-probabilities, for the end-of-answer checks), one before the loop and one after it (the statistics),
+    including the steps where finished rows leave the batch."""
+    import kvcert.hf.decode as decode
+
+    model, _ = tiny_smol
+    tok = _CharTokenizer()
+    ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=QS, example_id="x")
+    policies = [FULL] + [
+        Policy(scorer="streaming", design=d, budget=b, seed=1, compress_after="context")
+        for d, b in (("topk", 0.1), ("randomized", 0.2), ("randomized", 0.4))
+    ]  # 1 of 4 rows finished: the batch is compacted
+    first = generate_variants(model, tok, prompt, policies, DecodeOptions(max_new_tokens=1))
+    assert first[0].tokens[0] not in {r.tokens[0] for r in first[1:]}, "pick another seed: a row must go on"
+    stops = (chr(first[0].tokens[0]),)  # the full cache's row ends at once, the others go on
+    opts = DecodeOptions(max_new_tokens=8, stop_strings=stops, oracle=oracle, backend="torch")
+    reads = _HostReads(monkeypatch)
+    forward, decode_batch = decode.forward_with_state, decode.decode_batch
+    in_forward, steps, sizes = [], [], []
+
+    def forward_spy(*args, **kwargs):
+        before = reads.count
+        sizes.append(args[1].shape[0])
+        out = forward(*args, **kwargs)
+        in_forward.append(reads.count - before)
+        steps.append(1)
+        return out
+
+    def decode_spy(*args, **kwargs):
+        reads.count, reads.on = 0, True
+        try:
+            return decode_batch(*args, **kwargs)
+        finally:
+            reads.on = False
+
+    kept = []
+    keep_rows = CompressedState.keep_rows
+
+    def keep_spy(self, rows):
+        kept.append(rows)
+        return keep_rows(self, rows)
+
+    monkeypatch.setattr(CompressedState, "keep_rows", keep_spy)
+    monkeypatch.setattr(decode, "forward_with_state", forward_spy)
+    monkeypatch.setattr(prefill_module, "decode_batch", decode_spy)
+    with reads:
+        res = generate_variants(model, tok, prompt, policies, opts)
+    assert kept and sizes[0] < len(policies), "rows must leave the batch during the decode"
+    assert in_forward == [0] * len(steps)
+    assert reads.count <= len(steps) + 2, (reads.count, len(steps))
+    assert res[0].n_answer == 0 and all(r.stats for r in res[1:])

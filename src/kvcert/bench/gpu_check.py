@@ -2,7 +2,8 @@
 
     python -m kvcert.bench.gpu_check [--model smollm2-135m-instruct] [--dtype float32] [--out FILE.json]
 
-Prints, per (prompt tokens, variants, certificate + oracle on / off): seconds per decode step of the whole variant
+Prints the host synchronisations of one decode (CUDA's sync debug mode: one per new token is the target), then, per
+(prompt tokens, variants, certificate + oracle on / off): seconds per decode step of the whole variant
 set, peak GPU memory (torch.cuda.max_memory_allocated, reset per configuration) and the KV bytes the compressed
 caches hold; then serving mode's memory (one policy at budgets 1 / 0.5 / 0.25, oracle off, 4k and 8k tokens) and
 its two ratios; then writes them as JSON. Exits 2 with one line when no CUDA device is visible. `--model
@@ -66,6 +67,38 @@ def bench(model, n: int, variants: int, oracle: bool, device: str = "cuda") -> d
     }
 
 
+def count_syncs(fn) -> tuple[object, list[str]]:
+    """Run fn() with CUDA's sync debug mode on: (its result, the Python location of every call that made the host
+    wait for the device: a value read, a pageable copy, a value-dependent shape)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return out, [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+
+
+def decode_syncs(model, n: int = 1024, variants: int = 8) -> dict:
+    """Host synchronisations of one decode of `variants` policies, STEPS new tokens, certificate and oracle on."""
+    from collections import Counter
+
+    from kvcert.hf import DecodeOptions, Prefill, Prompt
+
+    ids, qs = synthetic_prompt(model, n)
+    opts = DecodeOptions(max_new_tokens=STEPS)
+    with no_eos(model):
+        batch = Prefill.record(model, Prompt(input_ids=ids, question_start=qs, example_id="gpu")).compress(
+            policy_grid(variants), opts
+        )
+        sync("cuda")
+        _, sites = count_syncs(lambda: batch.decode(opts, None))
+    return {"new_tokens": STEPS, "host_syncs": len(sites), "sites": dict(Counter(sites))}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcert.bench.gpu_check", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -81,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         if tests.returncode != 0:
             return tests.returncode
     model, _ = load(args.model, "cuda", args.dtype)
+    syncs = decode_syncs(model)
+    print(
+        f"[kvcert] host synchronisations in a decode of {syncs['new_tokens']} tokens: {syncs['host_syncs']} "
+        f"(one per new token and one for the statistics at the end: {syncs['new_tokens'] + 1}) at {syncs['sites']}",
+        flush=True,
+    )
     rows = []
     for n, variants in CONFIGS:
         for oracle in (False, True):
@@ -115,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model,
         "dtype": args.dtype,
         "rows": rows,
+        "decode_syncs": syncs,
         "serving": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -417,14 +417,17 @@ class Bucket:
         self,
         layers: list[LayerBuffers],
         *,
-        certificate_rows: torch.Tensor,
+        certificate_rows: list[bool],
         oracle: list[tuple] | None = None,
     ):
-        """oracle: per layer group (in `layer_groups(layers)` order) the (prefix K^T, prefix V, own keys, own
-        values) that LayerGroup describes, the own parts already viewed by the LayerBuffers; None = no oracle."""
+        """certificate_rows: per row, whether its policy has a certificate (False: variance NaN, as for top-k and
+        the full cache); oracle: per layer group (in `layer_groups(layers)` order) the (prefix K^T, prefix V, own
+        keys, own values) that LayerGroup describes, the own parts already viewed by the LayerBuffers; None = no
+        oracle."""
         self.layers = layers
-        self.certificate_rows = certificate_rows  # (B,) bool: False -> variance NaN (top-k, full cache)
-        self.certified = bool(certificate_rows.any())  # a bucket of top-k / full-cache rows has no certificate work
+        self.certificate_flags = list(certificate_rows)  # on the host: which work a step does is decided there
+        self.certificate_rows = torch.tensor(self.certificate_flags, device=layers[0].keys.device)
+        self.certified = any(self.certificate_flags)  # a bucket of top-k / full-cache rows has no certificate work
         self.has_oracle = oracle is not None
         self.position = 0  # absolute position of the next token (set by the state)
         self.groups = [
@@ -441,14 +444,17 @@ class Bucket:
     def batch_size(self) -> int:
         return self.layers[0].keys.shape[0]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drop every row not in `rows` (finished variants leave the batch)."""
+    def keep_rows(self, rows: list[int]) -> None:
+        """Drop every row not in `rows` (finished variants leave the batch); the indices go to the device without
+        waiting for it (no host synchronisation)."""
+        index = device_index(rows, self.layers[0].keys.device)
         for buf in self.layers:
-            buf.keep_rows(rows)
+            buf.keep_rows(index)
         for grp in self.groups:
-            grp.keep_rows(rows, [self.layers[i] for i in grp.layers])
-        self.certificate_rows = self.certificate_rows.index_select(0, rows)
-        self.certified = bool(self.certificate_rows.any())
+            grp.keep_rows(index, [self.layers[i] for i in grp.layers])
+        self.certificate_flags = [self.certificate_flags[i] for i in rows]
+        self.certificate_rows = self.certificate_rows.index_select(0, index)
+        self.certified = any(self.certificate_flags)
 
     def append(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> tuple[int, int]:
         """Write the new tokens' keys and values (offset 0, pi = 1) into the cache and the oracle's own part."""
@@ -554,6 +560,15 @@ class Bucket:
         return {name: torch.cat([pt[name] for pt in parts]).index_select(0, self.layer_order) for name in parts[0]}
 
 
+def device_index(rows: list[int], device) -> torch.Tensor:
+    """Host indices as a long tensor on `device`; on CUDA through pinned memory and a non-blocking copy, so the
+    host does not wait for the queued work (a plain copy from pageable memory synchronises the stream)."""
+    index = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
+
+
 def layer_groups(layers: list[LayerBuffers]) -> list[list[int]]:
     """Layer indices grouped by slot layout, in order of first appearance."""
     groups: dict[tuple, list[int]] = {}
@@ -587,12 +602,12 @@ class CompressedState:
         """The first bucket's buffers (every bucket has the same layer structure)."""
         return self.buckets[0].layers
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
+    def keep_rows(self, rows: list[int]) -> None:
         """Keep the rows `rows` (sorted indices into the batch) and drop the others."""
         kept, start = [], 0
         for bucket in self.buckets:
             n = bucket.batch_size
-            local = rows[(rows >= start) & (rows < start + n)] - start
+            local = [r - start for r in rows if start <= r < start + n]
             if len(local) == n:
                 kept.append(bucket)
             elif len(local):

@@ -7,8 +7,8 @@ the CPU, torch ops otherwise, and says which once; "torch" / "compiled" force on
 the statistics after the forward are one code path, so they agree to float rounding (tests/test_hf_decode.py).
 
 Finished variants leave the batch (in batches: compaction copies every buffer), so no attention, certificate or
-oracle work is spent on them. The decoder syncs with the device once per step (the new tokens, for the end-of-answer
-checks); the statistics stay on the device until the end.
+oracle work is spent on them. The decoder waits for the device once per step (one copy of the new tokens and their
+log-probabilities, for the end-of-answer checks); the statistics stay on the device until one copy at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
-from kvcert.hf.attention import CompressedState, forward_with_state
+from kvcert.hf.attention import CompressedState, device_index, forward_with_state
 from kvcert.policy import Policy
 
 STAT_NAMES = (
@@ -112,6 +112,37 @@ def eos_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's most likely next token and its log-probability (float32 log-softmax), on the device."""
+    logp = logits.float().log_softmax(-1)
+    tok = logp.argmax(-1)
+    return tok, logp.gather(-1, tok[:, None])[:, 0]
+
+
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Token ids and float32 log-probabilities in one device-to-host copy (float64 holds both exactly)."""
+    both = torch.stack([tokens.to(torch.float64), logprobs.to(torch.float64)]).tolist()
+    return [int(t) for t in both[0]], both[1]
+
+
+def stats_to_host(
+    steps: list[tuple[list[int], dict[str, torch.Tensor]]],
+) -> list[tuple[list[int], dict[str, np.ndarray]]]:
+    """Every step's statistics as float32 arrays, in one device-to-host copy at the end of the decode."""
+    parts = [v.float().reshape(-1) for _, s in steps for v in s.values()]
+    if not parts:
+        return [(rows, {}) for rows, _ in steps]
+    flat = torch.cat(parts).cpu().numpy()
+    host, at = [], 0
+    for rows, s in steps:
+        arrays = {}
+        for name, v in s.items():
+            arrays[name] = flat[at : at + v.numel()].reshape(v.shape)
+            at += v.numel()
+        host.append((rows, arrays))
+    return host
+
+
 def decode_batch(
     model,
     tokenizer,
@@ -127,10 +158,10 @@ def decode_batch(
     dev = first_logits.device
     eos = eos_ids(model, tokenizer)
     stopped = StopDetector(tokenizer, options.stop_strings)
-    logp = first_logits.float().log_softmax(-1)
-    tok = logp.argmax(-1)
-    tokens = [[t] for t in tok.tolist()]
-    logprobs = [[x] for x in logp.gather(-1, tok[:, None])[:, 0].tolist()]
+    tok, picked = greedy(first_logits)
+    first_tokens, first_lps = to_host(tok, picked)
+    tokens = [[t] for t in first_tokens]
+    logprobs = [[x] for x in first_lps]
     active = list(range(bsz))  # original rows still in the batch, in batch order
     done = [False] * bsz
     steps: list[tuple[list[int], dict[str, torch.Tensor]]] = []  # (rows in the batch, stats (L, B, Hq)) per step
@@ -145,8 +176,8 @@ def decode_batch(
         # compaction copies every buffer once: batch it (a quarter of the rows finished) rather than pay it per row
         if finished and finished >= max(1, len(active) // 4):
             keep = [i for i, row in enumerate(active) if not done[row]]
-            state.keep_rows(torch.tensor(keep, device=dev))
-            tok = tok[keep]
+            state.keep_rows(keep)
+            tok = tok.index_select(0, device_index(keep, dev))
             active = [active[i] for i in keep]
         state.want_stats = True
         every = options.tight_radius_every
@@ -156,16 +187,14 @@ def decode_batch(
             on_step(step)
         steps.append((active, state.stats or {}))
         if step + 1 < options.max_new_tokens:
-            logp = logits.float().log_softmax(-1)
-            tok = logp.argmax(-1)
-            picked = logp.gather(-1, tok[:, None])[:, 0]
-            new_tokens, lps = tok.tolist(), picked.tolist()  # the step's one sync with the device
+            tok, picked = greedy(logits)
+            new_tokens, lps = to_host(tok, picked)  # the step's one sync with the device
             for i, row in enumerate(active):
                 if not done[row]:  # a finished row's answer is over
                     tokens[row].append(new_tokens[i])
                     logprobs[row].append(lps[i])
     state.want_stats, state.stats = False, None
-    host = [(rows, {k: v.float().cpu().numpy() for k, v in s.items()}) for rows, s in steps]  # one copy at the end
+    host = stats_to_host(steps)
     out = []
     for row in range(bsz):
         n_ans, answer = answer_length(tokenizer, tokens[row], eos, options.stop_strings)

@@ -461,8 +461,7 @@ def _build_bucket(
             for local, layer in enumerate(group):
                 layers[layer].oracle_keys, layers[layer].oracle_values = own[0][local], own[1][local]
             oracle_parts.append((*oracle(group), *own))
-    rows = torch.tensor([p.has_certificate for p in policies], device=device)
-    return Bucket(layers, certificate_rows=rows, oracle=oracle_parts)
+    return Bucket(layers, certificate_rows=[p.has_certificate for p in policies], oracle=oracle_parts)
 
 
 def resolve_backend(backend: str, like: torch.Tensor, config) -> str:
