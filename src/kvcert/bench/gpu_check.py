@@ -68,18 +68,31 @@ def bench(model, n: int, variants: int, oracle: bool, device: str = "cuda") -> d
 
 
 def count_syncs(fn) -> tuple[object, list[str]]:
-    """Run fn() with CUDA's sync debug mode on: (its result, the Python location of every call that made the host
-    wait for the device: a value read, a pageable copy, a value-dependent shape)."""
+    """Run fn() with CUDA's sync debug mode on: (its result, for every call that made the host wait for the device
+    (a value read, a pageable copy, a value-dependent shape) its innermost Python frames, innermost last)."""
+    import traceback
     import warnings
 
-    with warnings.catch_warnings(record=True) as caught:
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            frames = traceback.extract_stack()[:-1][-4:]
+            sites.append(" < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames)))
+
+    with warnings.catch_warnings():  # the first switch back from "warn" syncs once itself: not the decode's
+        warnings.simplefilter("ignore")
+        torch.cuda.set_sync_debug_mode("warn")
+        torch.cuda.set_sync_debug_mode("default")
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             out = fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return out, [f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    return out, sites
 
 
 def decode_syncs(model, n: int = 1024, variants: int = 8) -> dict:
@@ -96,7 +109,8 @@ def decode_syncs(model, n: int = 1024, variants: int = 8) -> dict:
         )
         sync("cuda")
         _, sites = count_syncs(lambda: batch.decode(opts, None))
-    return {"new_tokens": STEPS, "host_syncs": len(sites), "sites": dict(Counter(sites))}
+    callers = Counter(site.split(" < ")[1] for site in sites)  # the frame below warnings.py
+    return {"new_tokens": STEPS, "host_syncs": len(sites), "sites": dict(callers)}
 
 
 def main(argv: list[str] | None = None) -> int:
