@@ -201,9 +201,10 @@ def test_cluster_check_compare(tmp_path):
     assert not ok
 
 
-@needs_cxx  # the fast-path configurations run the compiled kernel
+@needs_cxx  # the default configurations run the compiled kernel
 def test_quick_profile_cli_on_tiny_model(tmp_path):
-    rc = main(["--quick", "--model", "tiny-llama", "--out", str(tmp_path), "--figure", str(tmp_path / "s.png")])
+    args = ["--quick", "--no-versus", "--model", "tiny-llama", "--out", str(tmp_path)]
+    rc = main([*args, "--figure", str(tmp_path / "s.png")])
     assert rc == 0
     data = json.loads((tmp_path / "bench_cpu.json").read_text())
     assert data["quick"] and data["model"] == "tiny-llama"
@@ -226,22 +227,17 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         "certificate+oracle",
         "certificate, no tight radius",
         "certificate, tight radius every 8",
-        "plain, fast path",
-        "certificate, fast path",
-        "certificate+oracle, fast path",
-        "certificate, fast path, tight radius every 8",
-        "certificate+oracle, fast path in torch ops",
+        "plain, torch ops",
+        "certificate, torch ops",
+        "certificate+oracle, torch ops",
     }
     d = data["decode"]  # every overhead / speedup: the median over repetitions of the paired ratio of step times
     ratios = {
-        "certificate_overhead": ("certificate, fast path", "plain, fast path"),  # the headline
-        "certificate_overhead_vs_default_plain": ("certificate, fast path", "plain"),
-        "certificate_overhead_default_path": ("certificate", "plain"),
-        "certificate_overhead_fast_tight_every8": ("certificate, fast path, tight radius every 8", "plain, fast path"),
+        "certificate_overhead": ("certificate", "plain"),  # the headline
+        "certificate_overhead_torch_ops": ("certificate, torch ops", "plain, torch ops"),
         "certificate_overhead_no_tight": ("certificate, no tight radius", "plain"),
         "certificate_overhead_tight_every8": ("certificate, tight radius every 8", "plain"),
-        "fast_path_speedup": ("certificate+oracle", "certificate+oracle, fast path"),
-        "kernel_speedup": ("certificate+oracle, fast path in torch ops", "certificate+oracle, fast path"),
+        "kernel_speedup": ("certificate+oracle, torch ops", "certificate+oracle"),
         "oracle_overhead": ("certificate+oracle", "certificate"),
     }
     for key, (num, den) in ratios.items():
@@ -249,7 +245,7 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         paired = [c / p for c, p in zip(d[num]["samples_s"], d[den]["samples_s"])]
         assert data[key] == pytest.approx(statistics.median(paired)), key
     roof = data["roofline"]
-    assert len(roof["rows"]) == 5 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
+    assert len(roof["rows"]) == 4 * 3 and {r["variants"] for r in roof["rows"]} == {1, 8, 24}
     machine = roof["machine"]
     assert machine["bandwidth"]["bandwidth_Bps"] == machine["bandwidth"]["read_Bps"]
     assert _plausible_bandwidth(machine["bandwidth"]["bandwidth_Bps"])
@@ -261,13 +257,13 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
         assert r["multiple"] == pytest.approx(r["step_s"] / r["limit_s"])
         assert r["bound"] == ("memory" if r["memory_s"] >= r["compute_s"] else "compute")
     row = {(r["variants"], r["tokens"], r["config"]): r for r in roof["rows"]}
-    headline, default = row[(24, 1024, "certificate+oracle, fast path")], row[(24, 1024, "certificate+oracle")]
+    headline, torch_ops = row[(24, 1024, "certificate+oracle")], row[(24, 1024, "certificate+oracle, torch ops")]
     assert data["roofline_multiple"] == headline["multiple"]
-    assert data["roofline_multiple_default_path"] == default["multiple"]
+    assert data["roofline_multiple_torch_ops"] == torch_ops["multiple"]
     assert data["roofline_headline"] == dict(
         variants=24,
         tokens=1024,
-        config="certificate+oracle, fast path",
+        config="certificate+oracle",
         step_s=headline["step_s"],
         limit_s=headline["limit_s"],
         bound=headline["bound"],
@@ -283,7 +279,7 @@ def test_quick_profile_cli_on_tiny_model(tmp_path):
     assert "1" in threads and data["threads"]["best_num_threads"] == int(min(threads, key=threads.get))
     md = (tmp_path / "bench_cpu.md").read_text()
     for text in (
-        "GPU figures were not measured",
+        "make gpu-check",
         "certificate overhead",
         "## 6. End to end",
         "## 7. Roofline",
@@ -305,3 +301,29 @@ def test_gpu_check_bench_row_on_cpu():
     assert row["step_s"] > 0 and row["peak_gpu_bytes"] is None
     full_kv = 4 * 2 * model.config.num_hidden_layers * 2 * 512 * 16 * 4  # variants x K/V x layers x Hkv x n x d x fp32
     assert 0 < row["kv_bytes_held"] < full_kv
+
+
+def test_versus_runs_a_revision_exported_from_git_in_its_own_process(tmp_path):
+    """Section 8's machinery: a revision exported with `git archive` is what the child imports; kvpress's protocol
+    decodes its 11 configurations one call each; the table names both sides and the ratio before / after."""
+    from kvcert.bench import versus
+
+    src = versus.export("HEAD", tmp_path)
+    assert (src / "kvcert" / "hf" / "decode.py").is_file()
+    spec = dict(
+        model="tiny-llama",
+        threads=1,
+        tokens=128,
+        variants=1,
+        kvpress=versus.KVPRESS_CONFIGS,
+        options=dict(max_new_tokens=2, certificate=False, oracle=False, backend="torch"),
+    )
+    out = versus.run_child(src, spec)
+    assert len(out["per_call"]) == 11 and out["seconds"] == pytest.approx(sum(out["per_call"]))
+    assert [c[0] for c in versus.KVPRESS_CONFIGS].count("full") == 1 and len(versus.configurations()) == 7
+    with pytest.raises(RuntimeError, match="cannot export revision"):
+        versus.export("no-such-revision", tmp_path)
+    row = dict(configuration="c", before_s=2.0, after_s=1.0, ratio=2.0, samples={})
+    res = dict(before="abc", before_switches={"s": True}, after="here", model="m", threads=1, reps=1)
+    res.update(new_tokens=16, cpu="cpu", cpu_count=2, rows=[row])
+    assert "| c | 2.00 | 1.00 | 2.00x |" in versus.markdown(res)

@@ -17,8 +17,7 @@ SCORERS = ("window_question", "window_context", "streaming")
 DESIGNS = ("topk", "randomized")
 BUDGETS = (0.25, 0.5, 0.75, 0.9)
 # the decode engine's two backends: torch ops, and the compiled CPU kernel for single-token steps
-TORCH_FAST_PATH = dict(backend="torch")
-FAST_PATH = dict(backend="compiled")
+TORCH_OPS = dict(backend="torch")  # the engine without the compiled CPU kernel (what runs on a GPU)
 
 
 @dataclass(frozen=True)

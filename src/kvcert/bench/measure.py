@@ -9,8 +9,7 @@ from dataclasses import replace
 import torch
 
 from kvcert.bench.common import (
-    FAST_PATH,
-    TORCH_FAST_PATH,
+    TORCH_OPS,
     before_after_options,
     median,
     policy_grid,
@@ -27,15 +26,10 @@ DECODE_CONFIGS = {
     # the certificate's parts: V_hat + diagnostics without tr(C^2); tr(C^2) refreshed every 8th step
     "certificate, no tight radius": dict(certificate=True, oracle=False, tight_radius=False),
     "certificate, tight radius every 8": dict(certificate=True, oracle=False, tight_radius_every=8),
-    # the opt-in fast path (every speed switch, common.FAST_PATH): same records to float rounding
-    "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
-    "certificate, fast path": dict(certificate=True, oracle=False, **FAST_PATH),
-    "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
-    "certificate, fast path, tight radius every 8": dict(
-        certificate=True, oracle=False, tight_radius_every=8, **FAST_PATH
-    ),
-    # the fast path in torch ops only (no compiled kernel, no packed weights): what the kernel and packing add
-    "certificate+oracle, fast path in torch ops": dict(certificate=True, oracle=True, **TORCH_FAST_PATH),
+    # the same engine on torch ops only (`decode.backend=torch`, what a GPU runs): what the compiled kernel adds
+    "plain, torch ops": dict(certificate=False, oracle=False, **TORCH_OPS),
+    "certificate, torch ops": dict(certificate=True, oracle=False, **TORCH_OPS),
+    "certificate+oracle, torch ops": dict(certificate=True, oracle=True, **TORCH_OPS),
 }
 
 

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvcert.bench.common import FAST_PATH
+from kvcert.bench.common import TORCH_OPS
 
 F32 = 4
 
@@ -216,9 +216,8 @@ ROOFLINE_CONFIGS = {
     "plain": dict(certificate=False, oracle=False),
     "certificate": dict(certificate=True, oracle=False),
     "certificate+oracle": dict(certificate=True, oracle=True),
-    # the opt-in fast path moves the same bytes and flops (the cost model below does not see the switches)
-    "plain, fast path": dict(certificate=False, oracle=False, **FAST_PATH),
-    "certificate+oracle, fast path": dict(certificate=True, oracle=True, **FAST_PATH),
+    # the torch-ops backend moves the same bytes and flops (the cost model below does not see the backend)
+    "certificate+oracle, torch ops": dict(certificate=True, oracle=True, **TORCH_OPS),
 }
 COST_FLAGS = ("certificate", "oracle")  # the configuration keys the cost model reads
 
