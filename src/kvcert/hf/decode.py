@@ -152,8 +152,14 @@ def decode_batch(
     options: DecodeOptions,
     *,
     on_step: Callable[[int], None] | None = None,
+    watch: Callable[[int, list[int], list[float], dict[str, torch.Tensor]], bool] | None = None,
 ) -> list[tuple[list[int], list[float], dict[str, np.ndarray], int, str]]:
-    """Greedy-decode every row of `state`; per row (tokens, log-probs, statistics, n_answer, answer)."""
+    """Greedy-decode every row of `state`; per row (tokens, log-probs, statistics, n_answer, answer).
+
+    watch(step, new tokens and their log-probabilities for the rows in the batch, the step's statistics on the
+    device (layers, rows, Hq)), when given, runs after each step that made a token (the statistics are those of the
+    forward that predicted it);
+    returning True ends the decode there (`kvcert.serve` streams and escalates through it)."""
     bsz = first_logits.shape[0]
     dev = first_logits.device
     eos = eos_ids(model, tokenizer)
@@ -193,6 +199,8 @@ def decode_batch(
                 if not done[row]:  # a finished row's answer is over
                     tokens[row].append(new_tokens[i])
                     logprobs[row].append(lps[i])
+            if watch is not None and watch(step, new_tokens, lps, state.stats or {}):
+                break
     state.want_stats, state.stats = False, None
     host = stats_to_host(steps)
     out = []

@@ -361,13 +361,18 @@ class CompressedBatch:
 
     @torch.no_grad()
     def decode(
-        self, options: DecodeOptions, tokenizer=None, *, on_step: Callable[[int], None] | None = None
+        self,
+        options: DecodeOptions,
+        tokenizer=None,
+        *,
+        on_step: Callable[[int], None] | None = None,
+        watch: Callable[[int, list[int], list[float], dict[str, torch.Tensor]], bool] | None = None,
     ) -> list[VariantResult]:
-        """Greedy-decode every variant; results in the order of the policies."""
+        """Greedy-decode every variant; results in the order of the policies (`watch`: see `decode_batch`)."""
         compressed_layers = tuple(b.compressed for b in self.state.layers)
         with kvcert_attention_on(self.model):
             rows = decode_batch(
-                self.model, tokenizer, self.state, self.first_logits, self.start, options, on_step=on_step
+                self.model, tokenizer, self.state, self.first_logits, self.start, options, on_step=on_step, watch=watch
             )
         out: dict[int, VariantResult] = {}
         for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(self.rows, self.comps, rows):
