@@ -1,8 +1,8 @@
 """kvcert: error certificates for KV-cache eviction via randomized design.
 
-    from kvcert import generate, load_model
-    model, tokenizer = load_model("smollm2-135m-instruct")
-    print(generate(model, tokenizer, context=text, question="...", budget=0.25).summary())
+from kvcert import generate, load_model
+model, tokenizer = load_model("smollm2-135m-instruct")
+print(generate(model, tokenizer, context=text, question="...", budget=0.25).summary())
 """
 
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ every token untrusted: an uncalibrated radius is never presented as a bound.
 from __future__ import annotations
 
 import math
+import random
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,6 +31,7 @@ from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.certificate import token_certificate
 
 DEFAULT_MAX_NEW_TOKENS = 64
+SIGNALS = ("certificate", "confidence", "random")
 _WARNED: set[tuple] = set()
 
 
@@ -42,10 +44,14 @@ def default_policy(budget: float) -> Policy:
 class Escalation:
     """When to re-read the prompt and the tokens so far at a larger budget.
 
-    threshold: escalate when a token's certificate exceeds it; None takes the calibration's threshold for `rate`
-    (the share of answers the calibration data escalated). on_untrusted: also escalate at an untrusted token.
-    budget: the budget to escalate to (1.0: the full cache, whose tokens are then exact)."""
+    signal: what triggers it: "certificate" (a token's certificate above `threshold`; None takes the calibration's
+    threshold for `rate`, the share of answers the calibration data escalated), "confidence" (a token's negative
+    log-probability above `threshold`: the model's own uncertainty, the baseline the certificate must beat) or
+    "random" (each token with probability `threshold`, seeded by generate's seed: the control). on_untrusted: also
+    escalate at an untrusted token. budget: the budget to escalate to (1.0: the full cache, whose tokens are then
+    exact)."""
 
+    signal: str = "certificate"
     threshold: float | None = None
     rate: float = 0.1
     budget: float = 1.0
@@ -55,6 +61,10 @@ class Escalation:
     def __post_init__(self):
         if not 0.0 < self.budget <= 1.0:
             raise ValueError(f"escalation budget must be in (0, 1], got {self.budget!r}")
+        if self.signal not in SIGNALS:
+            raise ValueError(f"escalation signal {self.signal!r}: choose one of {', '.join(SIGNALS)}")
+        if self.signal != "certificate" and self.threshold is None:
+            raise ValueError(f"escalation signal {self.signal!r} needs a threshold")
 
 
 @dataclass
@@ -226,13 +236,14 @@ class _Stream:
     """The tokens of one generation as they are produced, across the segments an escalation starts: each token's
     certificate from its step's statistics, the escalation rule, and on_token."""
 
-    def __init__(self, tokenizer, cal, reduction, escalate, threshold, on_token, n_layers: int):
+    def __init__(self, tokenizer, cal, reduction, escalate, threshold, on_token, n_layers: int, seed: int = 0):
         self.tokenizer, self.cal, self.reduction = tokenizer, cal, reduction
         self.escalate, self.threshold, self.on_token = escalate, threshold, on_token
         self.multipliers = cal.multiplier_tensor() if cal is not None else None
         self.no_layers = [math.nan] * n_layers
         self.steps: list[Token] = []
         self.escalations: list[Escalated] = []
+        self.rng = random.Random(f"kvcert-escalate-{seed}")
 
     def emit(self, token_id: int, logprob: float, cert: float, layers: list[float], exact: bool, budget: float):
         trusted = exact or (self.cal is not None and math.isfinite(cert))
@@ -251,12 +262,16 @@ class _Stream:
         host = torch.cat([value[None], per_layer]).tolist()
         return host[0], host[1:]
 
-    def should_escalate(self, policy: Policy, cert: float, trusted: bool) -> str | None:
+    def should_escalate(self, policy: Policy, cert: float, logprob: float, trusted: bool) -> str | None:
         esc = self.escalate
         if esc is None or len(self.escalations) >= esc.max_escalations or policy.budget >= esc.budget:
             return None
-        if self.threshold is not None and cert > self.threshold:
+        if esc.signal == "certificate" and self.threshold is not None and cert > self.threshold:
             return f"certificate {cert:.3g} > threshold {self.threshold:.3g}"
+        if esc.signal == "confidence" and -logprob > self.threshold:
+            return f"log-probability {logprob:.3g} < {-self.threshold:.3g}"
+        if esc.signal == "random" and self.rng.random() < self.threshold:
+            return f"random (probability {self.threshold:g} per token)"
         if esc.on_untrusted and not trusted:
             return "untrusted token"
         return None
@@ -276,7 +291,7 @@ class _Stream:
             else:
                 cert, layers = self.certificate(stats)
             trusted = policy.is_full or (self.cal is not None and math.isfinite(cert))
-            why = self.should_escalate(policy, cert, trusted)
+            why = self.should_escalate(policy, cert, float(logprobs[0]), trusted)
             if why is not None:
                 trigger.append((step + 1, why))
                 return True
@@ -340,13 +355,13 @@ def generate(
     threshold = None
     if escalate is not None:
         threshold = escalate.threshold
-        if threshold is None and cal is not None:
+        if threshold is None and cal is not None and escalate.signal == "certificate":
             threshold = cal.threshold(escalate.rate)
         if threshold is None and not escalate.on_untrusted:
             raise CalibrationError(
                 "escalate= needs a threshold: pass Escalation(threshold=...) or a calibration for this model"
             )
-    stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers)
+    stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
     current, kv_held, stopped = policy, 0, "max_new_tokens"
     while True:
         generated = [t.id for t in stream.steps]
