@@ -1,0 +1,3 @@
+from kvcert.serve.cli import main
+
+raise SystemExit(main())
