@@ -109,7 +109,9 @@ def shipped(model: str) -> Calibration | None:
 
 
 # ----------------------------------------------------------------------------------------------- the data
-def collect(model, tokenizer, examples, policies, *, log=print) -> tuple[pd.DataFrame, pd.DataFrame]:
+def collect(
+    model, tokenizer, examples, policies, *, prompt_format: str = "auto", log=print
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Decode every example with the full cache and each policy, oracle on: (answers, cells).
 
     answers: example_id, task, budget, correct, full_correct, n_answer, token_max_{reduction} (filled by `fit`);
@@ -120,7 +122,7 @@ def collect(model, tokenizer, examples, policies, *, log=print) -> tuple[pd.Data
     answers, cells = [], []
     started = time.perf_counter()
     for i, example in enumerate(examples):
-        prompt = render(example, tokenizer)
+        prompt = render(example, tokenizer, prompt_format)
         opts = DecodeOptions(max_new_tokens=24, stop_strings=prompt.stop_strings, oracle=True, certificate=True)
         full, *results = generate_variants(model, tokenizer, prompt, [FULL, *policies], opts)
         full_correct = score(full.answer, example)[1]
@@ -151,8 +153,12 @@ def collect(model, tokenizer, examples, policies, *, log=print) -> tuple[pd.Data
 
 
 # ----------------------------------------------------------------------------------------------- the fit
+def _column(cells: pd.DataFrame, name: str) -> torch.Tensor:
+    return torch.tensor(cells[name].to_numpy(np.float64))
+
+
 def _stats(cells: pd.DataFrame) -> dict[str, torch.Tensor]:
-    return {k: torch.from_numpy(cells[k].to_numpy(np.float64)) for k in ("variance", "trace_c2", "out_norm")}
+    return {k: _column(cells, k) for k in ("variance", "trace_c2", "out_norm")}
 
 
 def _cluster_interval(covered: np.ndarray, clusters: np.ndarray, n_boot: int = 2000, seed: int = 0) -> list[float]:
@@ -193,11 +199,7 @@ def fit(
     from kvcert.core.certificate import tight_radius
 
     cal_ids, test_ids = split_examples(answers["example_id"].to_numpy(), split_seed)
-    radius = tight_radius(
-        torch.from_numpy(cells["variance"].to_numpy(np.float64)),
-        torch.from_numpy(cells["trace_c2"].to_numpy(np.float64)),
-        level,
-    ).numpy()
+    radius = tight_radius(_column(cells, "variance"), _column(cells, "trace_c2"), level).numpy()
     ratio = cells["error"].to_numpy(np.float64) / radius
     certified = np.isfinite(cells["variance"].to_numpy()) & np.isfinite(ratio) & (radius > 0)
     cells = cells.assign(ratio=ratio)[certified]
@@ -265,12 +267,13 @@ def calibrate(
     budgets: list[float],
     data: dict,
     split_seed: int = 0,
+    prompt_format: str = "auto",
     log=print,
 ) -> Calibration:
     from kvcert.policy import Policy
 
     policies = [Policy(**policy_fields, budget=b) for b in budgets]
-    answers, cells = collect(model, tokenizer, examples, policies, log=log)
+    answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log)
     n_layers = int(model.config.num_hidden_layers)
     res = fit(answers, cells, n_layers=n_layers, split_seed=split_seed)
     full_acc = answers.drop_duplicates("example_id")["full_correct"].mean()

@@ -1,0 +1,195 @@
+"""Certified generation (kvcert.serve): the API's certificate is the runner's statistics, the calibration reaches its
+nominal held-out coverage on synthetic attention, escalation to the full cache continues as full-cache greedy, and
+a calibration that does not apply is refused or announced."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from conftest import hf_greedy
+from kvcert import Calibration, CalibrationError, Escalation, Policy, generate
+from kvcert.bench.common import no_eos
+from kvcert.core.certificate import tight_radius
+from kvcert.core.simulate import monte_carlo, random_problem
+from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.serve import calibration as calibration_module
+from kvcert.serve.certificate import token_certificate
+from kvcert.serve.generate import build_prompt, default_policy
+from kvcert.tasks import make_examples
+
+
+def _example(tokenizer, seed: int = 7001):
+    return make_examples("single_needle", 1, 300, tokenizer, seed=seed)[0]
+
+
+def _calibration(hf_model, policy: Policy, **overrides) -> Calibration:
+    n = hf_model.config.num_hidden_layers
+    fields = {k: getattr(policy, k) for k in calibration_module.POLICY_FIELDS}
+    args = dict(model="tiny", n_layers=n, policy=fields, budgets=[0.25, 0.5], multipliers=[1.5] * n)
+    return Calibration(**{**args, **overrides}, thresholds={"0.1": 0.2})
+
+
+def test_token_certificate_is_the_calibrated_relative_radius_reduced_over_layers_and_heads():
+    """Against a float64 recomputation: m_layer * r_tight / ||o_hat||, the max (or mean) over the defined cells;
+    a layer kept exactly (NaN) is left out and reported as NaN."""
+    g = torch.Generator().manual_seed(0)
+    layers, heads = 3, 4
+    variance = torch.rand(layers, heads, generator=g, dtype=torch.float64) * 0.1
+    trace_c2 = variance.square() * (0.2 + torch.rand(layers, heads, generator=g, dtype=torch.float64))
+    out_norm = 1 + torch.rand(layers, heads, generator=g, dtype=torch.float64)
+    variance[1] = float("nan")  # a layer kept exactly
+    m = torch.tensor([1.2, float("nan"), 0.8], dtype=torch.float64)
+    stats = {"variance": variance, "trace_c2": trace_c2, "out_norm": out_norm}
+    value, per_layer = token_certificate(stats, m, "max")
+    expected = np.full((layers, heads), np.nan)
+    for layer in (0, 2):
+        for h in range(heads):
+            r = tight_radius(variance[layer, h : h + 1], trace_c2[layer, h : h + 1], 0.95)[0]
+            expected[layer, h] = float(m[layer] * r / out_norm[layer, h])
+    assert float(value) == pytest.approx(np.nanmax(expected), rel=1e-12)
+    assert np.allclose(per_layer.numpy()[[0, 2]], np.nanmax(expected[[0, 2]], 1))
+    assert math.isnan(float(per_layer[1]))
+    mean, _ = token_certificate(stats, m, "mean")
+    assert float(mean) == pytest.approx(np.nanmean(expected), rel=1e-12)
+    with pytest.raises(ValueError, match="reduction"):
+        token_certificate(stats, m, "median")
+
+
+def test_the_api_certificate_equals_the_runner_statistics(tiny_smol):
+    """generate() and generate_variants (the runner's path) on the same prompt, policy and draws: the same tokens,
+    and each token's certificate is the reduction of the runner's statistics of the step that predicted it."""
+    model, tok = tiny_smol
+    ex = _example(tok)
+    policy = default_policy(0.25)
+    cal = _calibration(model, policy, model="tiny")
+    with no_eos(model):
+        out = generate(model, tok, context=ex.context, question=ex.question, policy=policy, calibration=cal,
+                       model_name="tiny", max_new_tokens=8, seed=3)  # fmt: skip
+        ids, qs, stops = build_prompt(
+            tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto"
+        )
+        opts = DecodeOptions(max_new_tokens=8, stop_strings=tuple(stops), oracle=False)
+        (ref,) = generate_variants(model, tok, Prompt(input_ids=ids, question_start=qs, example_id="kvcert-generate-3"),
+                                   [policy], opts)  # fmt: skip
+    assert out.tokens == ref.tokens[: len(out.tokens)] and len(out.tokens) >= 4
+    assert out.certificate[0] == 0.0 and out.trusted[0]  # read exactly, before compression
+    m = cal.multiplier_tensor()
+    for i in range(1, len(out.tokens)):
+        step = {k: torch.from_numpy(ref.stats[k][i - 1]).double() for k in ("variance", "trace_c2", "out_norm")}
+        value, per_layer = token_certificate(step, m, cal.reduction)
+        assert out.certificate[i] == pytest.approx(float(value), rel=1e-6), i
+        assert np.allclose(out.steps[i].layers, per_layer.numpy(), rtol=1e-6, equal_nan=True)
+        assert out.trusted[i] and out.steps[i].budget == 0.25
+    assert np.allclose(out.logprobs, ref.logprobs[: len(out.tokens)], atol=1e-6)
+    assert 0 < out.kv_bytes < out.full_kv_bytes
+
+
+def test_escalation_to_the_full_cache_continues_as_full_cache_greedy(tiny_smol):
+    """A threshold every compressed token exceeds escalates at token 1: the prompt and token 0 are re-read with the
+    full cache, and from there the tokens are those of plain transformers greedy on that prefix."""
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7002)
+    streamed = []
+    with no_eos(model):
+        out = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
+                       escalate=Escalation(threshold=-1.0), max_new_tokens=8, on_token=streamed.append)  # fmt: skip
+    assert len(out.escalations) == 1
+    esc = out.escalations[0]
+    assert (esc.token, esc.budget_from, esc.budget_to) == (1, 0.25, 1.0)
+    ids, _, _ = build_prompt(tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto")
+    assert esc.reread_tokens == len(ids) + 1
+    ref, _ = hf_greedy(model, ids + out.tokens[:1], 7)
+    assert out.tokens[1:] == ref[: len(out.tokens) - 1]
+    assert all(c == 0.0 for c in out.certificate[1:]) and all(out.trusted)  # the full cache: exact
+    # the escalated token was never streamed; the token that ended the answer (EOS, stop string) was
+    assert [t.id for t in streamed][: len(out.tokens)] == out.tokens and len(streamed) <= len(out.tokens) + 1
+    assert out.kv_bytes >= out.full_kv_bytes * 0.9  # the full cache was held after the escalation
+
+
+def test_a_calibration_that_does_not_apply_is_refused_and_none_is_announced_once(tiny_smol, tmp_path):
+    model, tok = tiny_smol
+    ex = _example(tok)
+    policy = default_policy(0.25)
+    other = _calibration(model, policy, model="another-model").save(tmp_path / "other.json")
+    with pytest.raises(CalibrationError, match="another-model"):
+        generate(model, tok, context=ex.context, question=ex.question, policy=policy, calibration=other,
+                 model_name="tiny", max_new_tokens=2)  # fmt: skip
+    narrow = _calibration(model, policy, model="tiny", budgets=[0.5])
+    with pytest.raises(CalibrationError, match="budgets 0.5-0.5"):
+        generate(model, tok, context=ex.context, question=ex.question, policy=policy, calibration=narrow,
+                 model_name="tiny", max_new_tokens=2)  # fmt: skip
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(CalibrationError, match="not JSON"):
+        Calibration.load(tmp_path / "bad.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with no_eos(model):
+            out = [
+                generate(
+                    model,
+                    tok,
+                    context=ex.context,
+                    question=ex.question,
+                    budget=0.25,
+                    calibration=None,
+                    model_name="tiny-uncalibrated",
+                    max_new_tokens=4,
+                )  # fmt: skip
+                for _ in range(2)
+            ]
+    assert sum("no calibration" in str(w.message) for w in caught) == 1
+    assert out[0].trusted == [True, False, False, False] and out[0].calibration is None  # only the exact token
+    with pytest.raises(ValueError, match="window of"):
+        generate(model, tok, context=ex.context * 20, question=ex.question, budget=0.25, calibration=None)
+    with pytest.raises(ValueError, match="budget"):
+        Policy(scorer="window_question", design="randomized", budget=1.5)
+
+
+def test_calibration_reaches_nominal_held_out_coverage_on_synthetic_attention():
+    """The S2 fit on Monte Carlo cells of the randomized design (kvcert.core.simulate, three attention regimes as
+    three layers, design draws grouped into examples): the held-out coverage of m_layer * r_tight lies within the
+    binomial interval around 0.95, each layer's too, and the thresholds escalate their share of answers."""
+    rows = []
+    regimes = [dict(peakedness=1.5, window_noise=0.3), dict(peakedness=2.0, window_noise=3.0), dict(peakedness=4.0)]
+    for layer, kw in enumerate(regimes):
+        g = torch.Generator().manual_seed(11 + layer)
+        prob = random_problem(n=400, d=32, generator=g, **kw)
+        r = monte_carlo(prob, budget=0.25, tail_fraction=0.75, floor=0.2, draws=1200, generator=g, moments=True)
+        rows.append(
+            pd.DataFrame(
+                dict(
+                    example_id=[f"e{i // 20}" for i in range(1200)],
+                    step=[i % 20 for i in range(1200)],
+                    layer=layer,
+                    head=0,
+                    error=r["sq_err"].sqrt().double().numpy(),
+                    variance=r["variance"].double().numpy(),
+                    trace_c2=r["trace_c2"].double().numpy(),
+                    out_norm=float(r["exact_norm"]),
+                    tail_mass=r["tail_mass"].double().numpy(),
+                    budget=0.25,
+                )
+            )
+        )
+    cells = pd.concat(rows, ignore_index=True)
+    ids = sorted(cells["example_id"].unique())
+    answers = pd.DataFrame(
+        dict(example_id=ids, budget=0.25, full_correct=True, correct=[i % 3 != 0 for i in range(60)])
+    )
+    res = calibration_module.fit(answers, cells, n_layers=3, rates=(0.2,))
+    rep = res["report"]
+    # 99% interval around the nominal level: the binomial spread of the held-out cells plus that of the fitted
+    # quantile (the coverage given the calibration half is Beta with variance ~ level (1 - level) / n_cal)
+    n_test, n_cal = rep["n_test_cells"], rep["n_cal_cells"]
+    half = 2.58 * math.sqrt(0.95 * 0.05 * (1 / n_test + 1 / n_cal))
+    assert abs(rep["coverage"] - 0.95) <= half, rep
+    assert rep["worst_layer"]["coverage"] >= 0.95 - 2.58 * math.sqrt(0.95 * 0.05 * 3 * (1 / n_test + 1 / n_cal))
+    assert all(m is not None and m > 0 for m in res["multipliers"])
+    assert res["reduction"] in ("max", "mean") and set(rep["auroc"]) == {"max", "mean"}
+    assert rep["held_out_escalation_rate"]["0.2"] == pytest.approx(0.2, abs=0.2)
