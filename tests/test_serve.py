@@ -193,3 +193,23 @@ def test_calibration_reaches_nominal_held_out_coverage_on_synthetic_attention():
     assert all(m is not None and m > 0 for m in res["multipliers"])
     assert res["reduction"] in ("max", "mean") and set(rep["auroc"]) == {"max", "mean"}
     assert rep["held_out_escalation_rate"]["0.2"] == pytest.approx(0.2, abs=0.2)
+
+
+def test_chat_messages_work_and_their_last_tokens_play_the_question(tiny_smol):
+    """messages= renders the model's chat template; a conversation has no context / question split, so the last
+    MESSAGES_WINDOW tokens are the observation window and the rest is compressed (a certificate > 0)."""
+    from kvcert.serve.generate import MESSAGES_WINDOW
+
+    model, tok = tiny_smol
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "The sky is blue. " * 40 + "What colour is the sky?"},
+    ]
+    ids, qs, stops = build_prompt(tok, context=None, question=None, messages=messages, prompt_format=None)
+    assert ids == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert qs == len(ids) - MESSAGES_WINDOW and stops
+    with no_eos(model):
+        out = generate(model, tok, messages=messages, budget=0.5, calibration=None, max_new_tokens=4)
+    assert out.prompt_tokens == len(ids) and max(out.certificate) > 0
+    with pytest.raises(ValueError, match="either messages"):
+        generate(model, tok, messages=messages, context="x", question="y")

@@ -32,6 +32,7 @@ from kvcert.serve.certificate import token_certificate
 
 DEFAULT_MAX_NEW_TOKENS = 64
 SIGNALS = ("certificate", "confidence", "random")
+MESSAGES_WINDOW = 32  # tokens at the end of a chat prompt that play the question (see build_prompt)
 _WARNED: set[tuple] = set()
 
 
@@ -191,10 +192,10 @@ def build_prompt(tokenizer, *, context, question, messages, prompt_format: str):
         if not messages or not isinstance(messages[-1], dict) or "content" not in messages[-1]:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        cut = text.rfind(messages[-1]["content"])
-        prefix = tokenizer(text[: max(cut, 0)], add_special_tokens=False)["input_ids"]
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids, min(len(prefix), len(ids) - 1), end_of_turn_strings(tokenizer)
+        # a conversation has no context / question split: the last MESSAGES_WINDOW tokens (the end of the last turn
+        # and the generation prompt) play the question, the observation window SnapKV-style scorers read
+        return ids, max(1, len(ids) - MESSAGES_WINDOW), end_of_turn_strings(tokenizer)
     if context is None or question is None:
         raise ValueError("pass context= and question= (or messages=)")
     example = Example(
