@@ -177,12 +177,13 @@ def test_calibration_reaches_nominal_held_out_coverage_on_synthetic_attention():
                 )
             )
         )
-    cells = pd.concat(rows, ignore_index=True)
+    exact = rows[0].assign(layer=3, variance=np.nan, trace_c2=np.nan)  # a layer kept exactly: no certificate
+    cells = pd.concat([*rows, exact], ignore_index=True)
     ids = sorted(cells["example_id"].unique())
     answers = pd.DataFrame(
         dict(example_id=ids, budget=0.25, full_correct=True, correct=[i % 3 != 0 for i in range(60)])
     )
-    res = calibration_module.fit(answers, cells, n_layers=3, rates=(0.2,))
+    res = calibration_module.fit(answers, cells, n_layers=4, rates=(0.2,))
     rep = res["report"]
     # 99% interval around the nominal level: the binomial spread of the held-out cells plus that of the fitted
     # quantile (the coverage given the calibration half is Beta with variance ~ level (1 - level) / n_cal)
@@ -190,7 +191,7 @@ def test_calibration_reaches_nominal_held_out_coverage_on_synthetic_attention():
     half = 2.58 * math.sqrt(0.95 * 0.05 * (1 / n_test + 1 / n_cal))
     assert abs(rep["coverage"] - 0.95) <= half, rep
     assert rep["worst_layer"]["coverage"] >= 0.95 - 2.58 * math.sqrt(0.95 * 0.05 * 3 * (1 / n_test + 1 / n_cal))
-    assert all(m is not None and m > 0 for m in res["multipliers"])
+    assert all(m is not None and m > 0 for m in res["multipliers"][:3]) and res["multipliers"][3] is None
     assert res["reduction"] in ("max", "mean") and set(rep["auroc"]) == {"max", "mean"}
     assert rep["held_out_escalation_rate"]["0.2"] == pytest.approx(0.2, abs=0.2)
 

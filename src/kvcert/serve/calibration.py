@@ -200,9 +200,10 @@ def fit(
 
     cal_ids, test_ids = split_examples(answers["example_id"].to_numpy(), split_seed)
     radius = tight_radius(_column(cells, "variance"), _column(cells, "trace_c2"), level).numpy()
-    ratio = cells["error"].to_numpy(np.float64) / radius
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = cells["error"].to_numpy(np.float64) / radius
     certified = np.isfinite(cells["variance"].to_numpy()) & np.isfinite(ratio) & (radius > 0)
-    cells = cells.assign(ratio=ratio)[certified]
+    all_cells, cells = cells, cells.assign(ratio=ratio)[certified]
     in_cal = cells["example_id"].isin(cal_ids).to_numpy()
     multipliers: list[float | None] = [None] * n_layers
     for layer, group in cells[in_cal].groupby("layer"):
@@ -233,7 +234,7 @@ def fit(
     answers["cache_failure"] = answers["full_correct"] & ~answers["correct"]
     per_answer = {}
     for reduction in REDUCTIONS:
-        tokens = token_scores(cells, m, reduction)
+        tokens = token_scores(all_cells, m, reduction)  # every cell of a step: the certificate's own NaNs
         top = tokens.groupby(["example_id", "budget"])["certificate"].max().rename(f"cert_{reduction}")
         per_answer[reduction] = top
         answers = answers.join(top, on=["example_id", "budget"])
@@ -268,12 +269,22 @@ def calibrate(
     data: dict,
     split_seed: int = 0,
     prompt_format: str = "auto",
+    work_dir: str | Path | None = None,
     log=print,
 ) -> Calibration:
+    """Collect (or reuse work_dir's answers.parquet / cells.parquet of an earlier collection) and fit."""
     from kvcert.policy import Policy
 
     policies = [Policy(**policy_fields, budget=b) for b in budgets]
-    answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log)
+    saved = Path(work_dir) if work_dir is not None else None
+    if saved is not None and (saved / "cells.parquet").is_file():
+        answers, cells = pd.read_parquet(saved / "answers.parquet"), pd.read_parquet(saved / "cells.parquet")
+    else:
+        answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log)
+        if saved is not None:
+            saved.mkdir(parents=True, exist_ok=True)
+            answers.to_parquet(saved / "answers.parquet")
+            cells.to_parquet(saved / "cells.parquet")
     n_layers = int(model.config.num_hidden_layers)
     res = fit(answers, cells, n_layers=n_layers, split_seed=split_seed)
     full_acc = answers.drop_duplicates("example_id")["full_correct"].mean()
