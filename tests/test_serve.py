@@ -214,3 +214,29 @@ def test_chat_messages_work_and_their_last_tokens_play_the_question(tiny_smol):
     assert out.prompt_tokens == len(ids) and max(out.certificate) > 0
     with pytest.raises(ValueError, match="either messages"):
         generate(model, tok, messages=messages, context="x", question="y")
+
+
+@pytest.mark.slow
+def test_calibrate_and_generate_on_the_packaged_model(tmp_path):
+    """kvcert calibrate's library side on SmolLM2 (6 examples): a file that names the model, the policy, the budgets
+    and the data, a multiplier per layer, held-out coverage in [0, 1]; generate() with it trusts its tokens, refuses
+    it for another budget, and holds less KV than the full cache."""
+    from kvcert.serve import load_model
+    from kvcert.serve.calibration import calibrate, describe
+
+    model, tok = load_model("smollm2")
+    examples = [e for t in ("single_needle", "fact_qa") for e in make_examples(t, 3, 512, tok, seed=5900)]
+    fields = {k: getattr(default_policy(0.25), k) for k in calibration_module.POLICY_FIELDS}
+    cal = calibrate(model, tok, "smollm2-135m-instruct", examples, policy_fields=fields, budgets=[0.25, 0.5],
+                    data={"tasks": ["single_needle", "fact_qa"]}, log=None)  # fmt: skip
+    path = cal.save(tmp_path / "calib.json")
+    loaded = Calibration.load(path)
+    assert (loaded.model, loaded.n_layers, loaded.budgets) == ("smollm2-135m-instruct", 30, [0.25, 0.5])
+    assert loaded.policy == fields and loaded.data["n_examples"] == 6
+    assert all(m is not None and m > 0 for m in loaded.multipliers)
+    assert 0.0 <= loaded.report["coverage"] <= 1.0 and "held-out coverage" in describe(loaded)
+    ex = make_examples("single_needle", 1, 512, tok, seed=5950)[0]
+    out = generate(model, tok, context=ex.context, question=ex.question, budget=0.3, calibration=path, max_new_tokens=8)
+    assert all(out.trusted) and out.calibration == "calib.json" and out.kv_bytes < 0.5 * out.full_kv_bytes
+    with pytest.raises(CalibrationError, match="budgets"):
+        generate(model, tok, context=ex.context, question=ex.question, budget=0.75, calibration=path)
