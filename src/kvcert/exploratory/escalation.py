@@ -318,7 +318,8 @@ def write_report(
         f"invocation, {meta['compute_s'] / 60:.1f} min of model calls recorded over all invocations",
         f"- Held-out examples: {meta['n_examples']} ({meta['n_per_task']} per task; tasks "
         f"{', '.join(meta['tasks'])} at {meta['context_tokens']} tokens; make_examples seed {meta['seed']}), "
-        f"max_new_tokens {meta['max_new_tokens']}",
+        f"max_new_tokens {meta['max_new_tokens']}; {meta['n_continuations']} distinct (example, k) full-cache "
+        "continuations computed",
         f"- Policy: window_question x randomized, tail 0.75, floor 0.2, budget {meta['budget']:g}; escalation: "
         "re-read the prompt and the tokens so far with the full cache (budget 1.0) and continue; at most one "
         "escalation per answer",
@@ -422,8 +423,10 @@ def plot(out: Path, summary: pd.DataFrame) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     panels = ((axes[0], "kv_mib", "mean KV memory held (MiB)"), (axes[1], "extra_prefill", "mean extra prefill tokens"))
     for ax, x, label in panels:
-        for signal, color in colors.items():
+        span = float(summary[x].max() - summary[x].min()) or 1.0
+        for dodge, (signal, color) in zip((-1, 0, 1), colors.items(), strict=True):
             s = summary[summary["signal"] == signal].sort_values("rate")
+            s = s.assign(**{x: s[x] + dodge * 0.008 * span})  # matched rates share an x: dodged apart a little
             xs = [never[x], *s[x], full[x]] if x == "kv_mib" else [never[x], *s[x]]
             ys = (
                 [never["accuracy"], *s["accuracy"], full["accuracy"]]
@@ -434,7 +437,8 @@ def plot(out: Path, summary: pd.DataFrame) -> Path:
             ax.errorbar(s[x], s["accuracy"], yerr=[s["accuracy"] - s["acc_lo"], s["acc_hi"] - s["accuracy"]], fmt="o",
                         color=color, capsize=3, label=signal)  # fmt: skip
             for r in s.itertuples():
-                ax.annotate(f"{r.rate:g}", (getattr(r, x), r.accuracy), textcoords="offset points", xytext=(4, -10),
+                ax.annotate(f"{r.rate:g}", (getattr(r, x), r.accuracy), textcoords="offset points",
+                            xytext=(4, 4 - 7 * dodge),
                             fontsize=7, color=color)  # fmt: skip
         for end, marker, color, name in (
             (never, "s", "black", "never escalate"),
@@ -587,6 +591,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wall_s=time.perf_counter() - started,
         compute_s=float(base["wall_s"].sum() + (cont_df["wall_s"].sum() if len(cont_df) else 0.0)),
         n_examples=len(base),
+        n_continuations=len(needed),
         n_per_task=args.n_per_task,
         tasks=tasks,
         context_tokens=args.context_tokens,
