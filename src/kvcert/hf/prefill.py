@@ -288,10 +288,11 @@ def compress_while_reading(
     model, prompt, policies: list[Policy], options: DecodeOptions, *, example_id: str | None = None
 ) -> CompressedBatch:
     """Serving mode (no oracle): what `Prefill.record(...).compress(...)` returns, without ever holding the full
-    cache of all layers. The prompt is read once per compression time (the whole prompt for the policies compressed
-    after it, the context for those compressed after the context, as kvpress does), and inside that forward each
-    layer, as soon as its attention ran, is compressed for every policy: its kept tokens are copied out, in the
-    model's dtype, and its full keys/values are dropped before the next layer. The policies' random draws are made
+    cache of all layers. The prompt is read once, and inside that forward each layer, as soon as its attention ran, is
+    compressed for every policy (the policies compressed after the context, as kvpress does, take the layer's context
+    part, which causal attention computed exactly as a read of the context alone would): its kept tokens are copied
+    out, in the model's dtype, and its full keys/values are dropped before the next layer. The question is then read
+    through the context-time policies' compressed caches. The policies' random draws are made
     up front for all layers (`PolicyDraws`), so each policy keeps what verification mode keeps for the same keys;
     the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
     chunk here (two there: context, then question)."""
@@ -307,7 +308,7 @@ def compress_while_reading(
     param = next(model.parameters())
     backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), cfg)
     ids = torch.tensor([ids_list], device=model.device)
-    parts = []
+    readers = []  # (compression time, rows, prompt tokens it compresses, its per-layer compressor)
     for when, rows in _by_time(policies):
         region = n if when == "prompt" else qs
         reader = _LayerCompressor(
@@ -323,8 +324,18 @@ def compress_while_reading(
             windows=windows,
             pool_kernel=options.pool_kernel,
         )
-        with kvcert_attention_on(model), chunked_feed_forward(model):
-            logits = forward_with_state(model, ids[:, :region], 0, CompressingState(reader))
+        readers.append((when, rows, region, reader))
+
+    def on_layer(layer: int, query, key, value) -> None:
+        # causal attention: the context part of a longer read is what a read of the context alone computes
+        for _, _, region, reader in readers:
+            reader(layer, query[:, :, :region], key[:, :, :region], value[:, :, :region])
+
+    end = max(region for _, _, region, _ in readers)
+    with kvcert_attention_on(model), chunked_feed_forward(model):
+        logits = forward_with_state(model, ids[:, :end], 0, CompressingState(on_layer))
+    parts = []
+    for when, rows, _, reader in readers:
         comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
         first = logits if when == "prompt" else None
         parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
