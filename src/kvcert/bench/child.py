@@ -33,6 +33,7 @@ from kvcert.bench.common import (
     synthetic_prompt,
 )
 from kvcert.bench.measure import DECODE_CONFIGS, bench_decode
+from kvcert.serve.generate import kv_bytes
 
 
 def run_child(
@@ -119,16 +120,6 @@ def child_memory(model_name, device, dtype, tokens, variants, max_new_tokens) ->
     if cuda:
         out["gpu_peak_delta_mb"] = torch.cuda.max_memory_allocated() / 2**20 - base_gpu
     return out
-
-
-def kv_bytes(batch) -> int:
-    """Bytes of the keys and values a CompressedBatch holds: every bucket and layer, padding and the slots reserved
-    for the tokens still to come included."""
-    return sum(
-        buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
-        for bucket in batch.state.buckets
-        for buf in bucket.layers
-    )
 
 
 def serving_memory(model, device: str, tokens: int, budget: float, max_new_tokens: int) -> dict:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from kvcert.bench.child import kv_bytes
 from kvcert.bench.common import load, no_eos, policy_grid, sync, synthetic_prompt
+from kvcert.serve.generate import kv_bytes
 
 CONFIGS = [(1024, 8), (1024, 24), (4096, 24)]
 SERVING_LENGTHS, SERVING_BUDGETS = (4096, 8176), (1.0, 0.5, 0.25)

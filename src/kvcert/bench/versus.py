@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from kvcert.records import cpu_model
 
 BEFORE = "0c9eb6d"  # the last commit of the two-path engine (default path + opt-in fast path)
 BEFORE_SWITCHES = dict(stats_after_forward=True, keys_transposed=True, fused_attention=True, packed_weights=True)
@@ -110,16 +111,6 @@ def run_child(src: Path, spec: dict) -> dict:
     return json.loads(line.removeprefix("RESULT "))
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def run(
     before: str = BEFORE,
     reps: int = 2,
@@ -160,7 +151,7 @@ def run(
         threads=threads,
         reps=reps,
         new_tokens=NEW_TOKENS,
-        cpu=cpu_name(),
+        cpu=cpu_model(),
         cpu_count=os.cpu_count(),
         rows=rows,
         kvpress_protocol_s_per_example=next(r["after_s"] for r in rows if r["configuration"] == KVPRESS_ROW),

@@ -38,13 +38,14 @@ import contextlib
 import json
 import math
 import os
-import platform
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+
+from kvcert.records import cpu_model
 
 TASKS = ("single_needle", "multikey_needle", "fact_qa")
 CONTEXT_TOKENS = 1024
@@ -294,16 +295,6 @@ def summarize(answers: pd.DataFrame, n_boot: int = N_BOOT, seed: int = BOOT_SEED
 
 def _pct(x: float) -> str:
     return "n/a" if not math.isfinite(x) else f"{100 * x:.1f}"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def write_report(
@@ -586,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary.to_csv(out / "summary.csv", index=False)
     meta = dict(
         model=args.model,
-        cpu=cpu_name(),
+        cpu=cpu_model(),
         threads=torch.get_num_threads(),
         wall_s=time.perf_counter() - started,
         compute_s=float(base["wall_s"].sum() + (cont_df["wall_s"].sum() if len(cont_df) else 0.0)),

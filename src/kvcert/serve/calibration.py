@@ -232,11 +232,9 @@ def fit(
     # the reduction: held-out AUROC of each answer's largest token certificate for cache-induced failures
     answers = answers.copy()
     answers["cache_failure"] = answers["full_correct"] & ~answers["correct"]
-    per_answer = {}
     for reduction in REDUCTIONS:
         tokens = token_scores(all_cells, m, reduction)  # every cell of a step: the certificate's own NaNs
         top = tokens.groupby(["example_id", "budget"])["certificate"].max().rename(f"cert_{reduction}")
-        per_answer[reduction] = top
         answers = answers.join(top, on=["example_id", "budget"])
     report["auroc"] = {}
     held = answers[answers["example_id"].isin(test_ids) & answers["full_correct"]]

@@ -225,7 +225,9 @@ def full_cache_bytes(model, tokens: int) -> int:
     return 2 * n_kv * head_dim * size * held
 
 
-def _kv_bytes(batch) -> int:
+def kv_bytes(batch) -> int:
+    """Bytes of the keys and values a CompressedBatch holds: every bucket and layer, padding and the slots reserved
+    for the tokens still to come included."""
     return sum(
         buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
         for bucket in batch.state.buckets
@@ -374,7 +376,7 @@ def generate(
         )
         prompt = Prompt(input_ids=ids + generated, question_start=qs, example_id=f"kvcert-generate-{seed}")
         batch = compress_while_reading(model, prompt, [current], opts)
-        kv_held = max(kv_held, _kv_bytes(batch))
+        kv_held = max(kv_held, kv_bytes(batch))
         trigger = stream.segment(batch, opts, current)
         if trigger is None:
             break
