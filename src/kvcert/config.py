@@ -31,7 +31,7 @@ JSONL_DEFAULTS = {
 DEFAULT_ONLY_KEYS = {
     "model": {"prompt_format": "auto"},
     "decode": {"tight_radius": True, "tight_radius_every": 1},
-    "task": JSONL_DEFAULTS,
+    "task": {**JSONL_DEFAULTS, "difficulty": {}},
 }
 OPTIONAL_ENTRY_KEYS = ("compress_after", "protect_question")  # hashed only when set, so old folders keep their names
 
@@ -61,6 +61,7 @@ class TaskConfig:
     n_examples: int | None = 4  # None: every row (task=jsonl only)
     context_tokens: list[int] = field(default_factory=lambda: [1000])
     source: str = "paul_graham"
+    difficulty: dict[str, int] = field(default_factory=dict)  # {task: level} of its knob (tasks/ruler.py DIFFICULTY)
     dataset: str | None = None  # squad_v2 | longbench/<subset> | jsonl (your own file: the keys below)
     data_dir: str | None = None
     path: str | None = None  # task=jsonl: the JSON-lines file; its stem labels the records
@@ -164,6 +165,9 @@ def validate(cfg: DictConfig) -> None:
             raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
         for t in cfg.task.tasks:
             _one_of("task.tasks", t, set(TASKS))
+        _validate_difficulty(cfg.task)
+    elif cfg.task.difficulty:
+        raise ConfigError(f"task.difficulty is for the offline tasks (task.dataset={cfg.task.dataset}); remove it")
     _validate_jsonl(cfg.task)
     if cfg.task.n_examples is None and cfg.task.dataset != "jsonl":
         raise ConfigError("task.n_examples=null (every row) is for task=jsonl only; give a number")
@@ -185,6 +189,15 @@ def validate(cfg: DictConfig) -> None:
     _one_of("decode.backend", cfg.decode.backend, {"auto", "torch", "compiled"})
     if cfg.decode.backend == "compiled" and not cfg.device.startswith("cpu"):
         raise ConfigError(f"decode.backend=compiled is a CPU kernel and device={cfg.device}; set decode.backend=auto")
+
+
+def _validate_difficulty(task: DictConfig) -> None:
+    from kvcert.tasks import TaskError, check_difficulty
+
+    try:
+        check_difficulty(OmegaConf.to_container(task.difficulty))
+    except TaskError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _validate_jsonl(task: DictConfig) -> None:
@@ -258,7 +271,12 @@ def record_content(content: dict) -> dict:
     hashed only when set dropped at their defaults, unset optional grid-entry keys dropped. Folder names hash it, and
     a folder's saved config matches a new one when their record contents are equal (so a key added to the schema
     later, at its default, neither renames nor orphans earlier folders)."""
+    from kvcert.tasks.ruler import DIFFICULTY
+
     content = copy.deepcopy(content)
+    task = content.get("task") or {}
+    if isinstance(task.get("difficulty"), dict):  # a level at its task's default makes the same examples
+        task["difficulty"] = {t: v for t, v in task["difficulty"].items() if DIFFICULTY.get(t, (0, None))[1] != v}
     for group, keys in SPEED_ONLY_KEYS.items():
         for k in keys:
             (content.get(group) or {}).pop(k, None)

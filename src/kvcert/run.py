@@ -73,7 +73,10 @@ def load_examples(cfg: DictConfig, tokenizer) -> list:
     examples = []
     for task in t.tasks:
         for length in t.context_tokens:
-            examples += make_examples(task, t.n_examples, int(length), tokenizer, seed=cfg.seed, source=t.source)
+            level = t.difficulty.get(task)  # the task's knob; absent = its default level
+            examples += make_examples(
+                task, t.n_examples, int(length), tokenizer, seed=cfg.seed, source=t.source, level=level
+            )
     return examples
 
 

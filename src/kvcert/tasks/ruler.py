@@ -22,6 +22,16 @@ from kvcert.tasks.haystack import Needle, TaskError, build_context
 TASKS: tuple[str, ...] = ("single_needle", "multikey_needle", "multivalue_needle", "variable_tracking", "fact_qa")
 MAX_NEW_TOKENS = 24
 LIST_TASKS = frozenset({"multivalue_needle", "variable_tracking"})  # answers are lists
+# One difficulty knob per task (config `task.difficulty: {task: level}`): the parameter it sets, its default level
+# (the level of every example before the knob existed) and the levels allowed. Study 3 picks a level per model and
+# task by a pilot (preregistration/study3/PILOT.md).
+DIFFICULTY: dict[str, tuple[str, int, range]] = {
+    "single_needle": ("digits", 7, range(1, 21)),  # digits of the value to copy
+    "multikey_needle": ("distractors", 3, range(0, 41)),  # needles with other keys
+    "multivalue_needle": ("values", 2, range(1, 7)),  # values of the one key, all asked for
+    "variable_tracking": ("hops", 1, range(0, 9)),  # assignments between the value and the answer variables
+    "fact_qa": ("distractors", 3, range(0, 41)),  # facts of the same kinds about other names
+}
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -130,9 +140,9 @@ def _magic(key: str, value: str) -> str:
     return f"One of the special magic numbers for {key} is: {value}."
 
 
-def _single_needle(rng: random.Random, depth: float):
+def _single_needle(rng: random.Random, depth: float, digits: int = 7):
     used: set[str] = set()
-    key, value = _key(rng, used), _number(rng, 7, set())
+    key, value = _key(rng, used), _number(rng, digits, set())
     question = f"What is the special magic number for {key} mentioned in the text above?"
     prefix = f"The special magic number for {key} mentioned in the text is"
     return [Needle(_magic(key, value), depth)], question, (value,), "ruler_all", prefix
@@ -150,12 +160,12 @@ def _multikey_needle(rng: random.Random, depth: float, distractors: int = 3):
     return needles, question, (value,), "ruler_all", prefix
 
 
-def _multivalue_needle(rng: random.Random, depth: float, n_values: int = 2):
-    values: set[str] = set()
+def _multivalue_needle(rng: random.Random, depth: float, values: int = 2):
+    seen: set[str] = set()
     key = _key(rng, set())
-    gold = tuple(_number(rng, 7, values) for _ in range(n_values))
+    gold = tuple(_number(rng, 7, seen) for _ in range(values))
     needles = [Needle(_magic(key, gold[0]), depth)]
-    needles += [Needle(_magic(key, v), d) for v, d in zip(gold[1:], _other_depths(rng, n_values - 1, depth))]
+    needles += [Needle(_magic(key, v), d) for v, d in zip(gold[1:], _other_depths(rng, values - 1, depth))]
     question = f"What are all the special magic numbers for {key} mentioned in the text above?"
     prefix = f"The special magic numbers for {key} mentioned in the text are:"
     return needles, question, gold, "ruler_all", prefix
@@ -204,6 +214,22 @@ _GENERATORS = {
 }
 
 
+def check_difficulty(difficulty: dict[str, int] | None) -> dict[str, int]:
+    """The levels as {task: int}, every task known and every level allowed; raises TaskError with one line."""
+    levels: dict[str, int] = {}
+    for task, level in (difficulty or {}).items():
+        if task not in DIFFICULTY:
+            raise TaskError(f"task.difficulty names '{task}', which has no difficulty knob; use {', '.join(TASKS)}")
+        name, default, allowed = DIFFICULTY[task]
+        if isinstance(level, bool) or not isinstance(level, int) or level not in allowed:
+            raise TaskError(
+                f"task.difficulty.{task}={level!r}: {task}'s knob is its {name} (default {default}), an integer in "
+                f"{allowed.start}..{allowed.stop - 1}"
+            )
+        levels[task] = level
+    return levels
+
+
 def _length_tag(tokens: int) -> str:
     return f"{tokens // 1000}k" if tokens % 1000 == 0 else str(tokens)
 
@@ -216,28 +242,35 @@ def make_examples(
     seed: int,
     source: str = "paul_graham",
     depth: float | None = None,
+    level: int | None = None,
 ) -> list[Example]:
     """n examples of an offline task with contexts of about ``context_tokens`` tokens of ``tokenizer``.
 
     ``depth`` fixes the relative depth of the (first) needle for all examples; by default it follows
-    ``default_depth(i)``. Same arguments -> identical examples."""
+    ``default_depth(i)``. ``level`` sets the task's difficulty knob (``DIFFICULTY``); None or the default level
+    gives the examples that existed before the knob (same random stream, same ids). Another level enters the
+    random seed and the id (``multikey_needle-d9-1k-s0-0000``). Same arguments -> identical examples."""
     if task not in _GENERATORS:
         raise TaskError(f"unknown task '{task}': use one of {', '.join(TASKS)}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise TaskError(f"needle depth must be in [0, 1], got {depth}")
     if n < 0 or context_tokens <= 0:
         raise TaskError(f"need n >= 0 and context_tokens > 0, got n={n}, context_tokens={context_tokens}")
+    knob, default, _ = DIFFICULTY[task]
+    level = check_difficulty({task: level})[task] if level is not None else default
+    knob_seed = "" if level == default else f"|{knob}={level}"
+    knob_tag = "" if level == default else f"-d{level}"
     examples = []
     for i in range(n):
         d = default_depth(i) if depth is None else depth
-        rng = random.Random(f"kvcert|{task}|{context_tokens}|{seed}|{i}|{source}|{d!r}")
-        needles, question, answers, metric, prefix = _GENERATORS[task](rng, d)
+        rng = random.Random(f"kvcert|{task}|{context_tokens}|{seed}|{i}|{source}|{d!r}{knob_seed}")
+        needles, question, answers, metric, prefix = _GENERATORS[task](rng, d, **{knob: level})
         context = build_context(needles, context_tokens, tokenizer, rng, source)
         first = needles[0].text
         tag = "" if source == "paul_graham" else f"-{source}"
         examples.append(
             Example(
-                id=f"{task}-{_length_tag(context_tokens)}{tag}-s{seed}-{i:04d}",
+                id=f"{task}{knob_tag}-{_length_tag(context_tokens)}{tag}-s{seed}-{i:04d}",
                 task=task,
                 context=context,
                 question=question,
