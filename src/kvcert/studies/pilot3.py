@@ -86,7 +86,9 @@ def select(summary: pd.DataFrame, defaults: dict[str, int]) -> pd.DataFrame:
     for (model, task), g in summary.groupby(["model", "task"], sort=True):
         ok = g[(g["full_accuracy"] >= ELIGIBLE[0]) & (g["full_accuracy"] <= ELIGIBLE[1])]
         if ok.empty:
-            out.append({"model": model, "task": task, "level": None, "full_accuracy": None, "reason": "no level in range"})
+            out.append(
+                {"model": model, "task": task, "level": None, "full_accuracy": None, "reason": "no level in range"}
+            )
             continue
         key = ok.assign(
             distance=(ok["full_accuracy"] - TARGET).abs().round(12),
@@ -148,7 +150,12 @@ def select_and_write() -> pd.DataFrame:
         variants = sorted(accuracy.select_rows(ex, C1_ROWS)["variant"].astype(str).unique())
         fits[model] = fit_layer_multipliers(ex, st[st["variant"].isin(variants)], C1_ROWS)
         fits[model].to_csv(PREREG / f"conformal_by_layer_{model}.csv", index=False)
-    lines = ["# Study 3 pilot: selection (PILOT.md's rule)", "", "Full-cache accuracy per level (15 examples each):", ""]
+    lines = [
+        "# Study 3 pilot: selection (PILOT.md's rule)",
+        "",
+        "Full-cache accuracy per level (15 examples each):",
+        "",
+    ]
     lines += [summary.round(3).to_markdown(index=False), "", "Chosen:", "", chosen.to_markdown(index=False), ""]
     for model, fit in fits.items():
         lines += [f"Per-layer multipliers, {model} (pilot C1 cells):", "", fit.round(3).to_markdown(index=False), ""]
