@@ -12,10 +12,10 @@ PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock-deps regenerate-check gpu-check test test-fast lint smoke run pilot lock verify-lock reproduce analyze bench cluster-check clean
+.PHONY: help install lock-deps regenerate-check gpu-check test test-fast lint smoke run pilot pilot-study3 lock verify-lock reproduce study3 analyze bench cluster-check clean
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 # The environment is requirements.lock, exactly: every package and version, transitive dependencies and the
 # packaged data included (`make lock-deps` rebuilds it). --no-deps: nothing outside the lock is resolved, so no
@@ -67,15 +67,20 @@ run: $(STAMP) ## one cell with the default config; pass ARGS="budget=0.5 ..." fo
 pilot: $(STAMP) ## the pilot runs that chose the locked design parameters (disjoint seeds)
 	$(PY) -m kvcert.reproduce pilot
 
-lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=study1 | study2)
+pilot-study3: $(STAMP) ## study 3's pilot (seeds 3000+, both models, resumable) and its selection rule -> preregistration/study3/
+	$(PY) -m kvcert.studies.pilot3 run
+	$(PY) -m kvcert.studies.pilot3 select
+
+lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=study1 | study2 | study3)
 	$(PY) -m kvcert.prereg lock --study $(STUDY)
 
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
-reproduce: $(STAMP) ## both studies: lock checks -> every claim regenerated (resumable; results/reproduce.log) -> compared with the published records (results/<study>/regeneration.md) -> scorecards + figures
+reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated (resumable; results/reproduce.log) -> compared with the published records (results/<study>/regeneration.md) -> scorecards + figures
 	$(PY) -m kvcert.prereg verify --study study1
 	$(PY) -m kvcert.prereg verify --study study2
+	$(PY) -m kvcert.prereg verify --study study3
 	$(PY) -m kvcert.reproduce run --study all
 	$(PY) -m kvcert.reproduce publish --study all --regenerated
 	$(PY) -m kvcert.studies.regenerate full --study all
@@ -84,7 +89,15 @@ reproduce: $(STAMP) ## both studies: lock checks -> every claim regenerated (res
 regenerate-check: $(STAMP) ## regenerate N examples per study (default 10, minutes) and judge them against the published records by the declared tolerances
 	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)
 
-analyze: $(STAMP) ## recompute both studies' tables, figures and the scorecard from the published records (< 1 min, no model)
+study3: $(STAMP) ## study 3 alone: both models side by side (one core each, resumable) -> published records -> scorecard
+	$(PY) -m kvcert.prereg verify --study study3
+	$(PY) -m kvcert.reproduce run --study study3_smollm2 & pid=$$!; \
+		$(PY) -m kvcert.reproduce run --study study3_gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
+	$(PY) -m kvcert.reproduce publish --study study3_smollm2
+	$(PY) -m kvcert.reproduce publish --study study3_gemma3
+	$(PY) -m kvcert.reproduce analyze --study all
+
+analyze: $(STAMP) ## recompute every study's tables, figures and the scorecard from the published records (~1 min, no model)
 	$(PY) -m kvcert.reproduce analyze --study all
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)

@@ -1,7 +1,7 @@
 """Pre-registration locks, one per study: hash what the study froze; detect changes.
 
-    python -m kvcert.prereg lock [--study study1|study2] [--force] [--root DIR]
-    python -m kvcert.prereg verify [--study study1|study2] [--strict] [--root DIR]
+    python -m kvcert.prereg lock [--study study1|study2|study3] [--force] [--root DIR]
+    python -m kvcert.prereg verify [--study study1|study2|study3] [--strict] [--root DIR]
 
 Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs and the analysis code. Study 2
 (`preregistration/study2/`) locks everything that determines records or verdicts: its plan and predictions, all of
@@ -90,6 +90,24 @@ STUDIES = {
         ),
     ),
 }
+# Study 3 (preregistration/study3/PLAN.md section 10): study 2's hash list plus its pilot's outputs and the
+# environment's lock file itself.
+STUDIES["study3"] = Study(
+    "preregistration/study3",
+    (
+        "preregistration/study3/PLAN.md",
+        "preregistration/study3/PILOT.md",
+        "preregistration/study3/predictions_smollm2.yaml",
+        "preregistration/study3/predictions_gemma3.yaml",
+        "preregistration/study3/difficulty.yaml",
+        "preregistration/study3/conformal_by_layer_gemma3-270m.csv",
+        "preregistration/study3/conformal_by_layer_smollm2-135m-instruct.csv",
+        "preregistration/study2/conformal_by_layer.csv",  # SmolLM2's S2 multipliers, carried over
+        ENVIRONMENT_LOCK,
+    ),
+    STUDIES["study2"].globs,
+    STUDIES["study2"].packages,
+)
 
 
 def _study(name: str) -> Study:

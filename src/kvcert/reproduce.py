@@ -97,6 +97,33 @@ STUDIES: dict[str, dict] = {
         "multipliers": ROOT / "preregistration" / "study2" / "conformal_by_layer.csv",  # S2 (PLAN.md section 5)
     },
 }
+# Study 3 (preregistration/study3/PLAN.md): two models under one plan and one lock, each a study entry of its own
+# (its predictions file, claim configs, records and scorecard), run one thread each so the two can run side by side.
+STUDY3_C1_AND_S6C_ROWS = {  # published cells: C1's rows and S6c's (the same scorer at tail fraction 0.25)
+    "design": "randomized",
+    "scorer": "window_question",
+    "budget": [0.25, 0.5],
+    "tail_fraction": [0.75, 0.25],
+    "floor": 0.2,
+    "score_power": 1.0,
+}
+for _model, _multipliers in (
+    ("smollm2", ROOT / "preregistration" / "study2" / "conformal_by_layer.csv"),  # carried over (PLAN.md 4)
+    ("gemma3", ROOT / "preregistration" / "study3" / "conformal_by_layer_gemma3-270m.csv"),  # its pilot's fit
+):
+    STUDIES[f"study3_{_model}"] = {
+        "predictions": ROOT / "preregistration" / "study3" / f"predictions_{_model}.yaml",
+        "claims": CONF / "claim" / "study3" / _model,
+        "prefix": f"study3/{_model}/",
+        "out": ROOT / "results" / "study3" / _model,
+        "overrides": [],
+        "threads": 1,  # pinned by conf/claim/study3/<model>/*.yaml
+        "lock": "study3",
+        "scorecard": ROOT / "results" / "study3" / _model,
+        "published": ROOT / "results" / "study3" / _model / "published",
+        "multipliers": _multipliers,
+        "publish_rows": STUDY3_C1_AND_S6C_ROWS,
+    }
 # N each claim needs for its decision margin (PLAN.md section 4, from study 1's per-example SDs)
 STUDY2_POWER_TARGET_N = {"C1": 13, "C2": 119, "C3": 273, "C4": 249, "C5": 304, "C6": 237, "C7": 354}
 
@@ -223,7 +250,7 @@ def publish(profile: str = "confirmatory", *, study: str = "study1", into: Path 
             f"no complete records in {run_dir}; run `python -m kvcert.reproduce run --study {study}` first"
         )
     examples = pd.read_parquet(run_dir / "examples.parquet")
-    rows = dict(c1.spec["rows"])
+    rows = dict(st.get("publish_rows") or c1.spec["rows"])  # study 3 also publishes S6c's rows beside C1's
     selected = accuracy.select_rows(examples, rows)
     variants = sorted(
         {
@@ -295,7 +322,7 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
         t1_evaluator=t1_evaluator,
         scorecard_dir=st["scorecard"],
     )
-    if study == "study2":
+    if study == "study2" or study.startswith("study3"):
         from kvcert.studies.secondary import evaluate_secondary
 
         document = yaml.safe_load(Path(st["predictions"]).read_text())
@@ -305,6 +332,10 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
             result.setdefault("prediction", " ".join(str(entry.get(k, "")) for k in ("claim", "prediction")).strip())
             if result.get("status") is None:  # S3's pre-declared check; S5 is descriptive
                 result["status"] = f"check: {result['check']}" if result.get("check") else "descriptive"
+        if study.startswith("study3"):  # S6 and C5 (descriptive), by the locked claim code on the same records
+            from kvcert.studies.study3 import evaluate_study3_secondary
+
+            secondary |= evaluate_study3_secondary(pub["examples"], steps, document)
         (out / "tables" / "secondary.json").write_text(json.dumps(jsonable(secondary), indent=2) + "\n")
         card["secondary"] = secondary
     card["n_examples"] = int(pub["examples"]["example_id"].nunique())
@@ -318,12 +349,43 @@ def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
 
     power = {cid: {"target_n": n} for cid, n in STUDY2_POWER_TARGET_N.items()} if "study2" in cards else None
     secondary = cards.get("study2", {}).get("secondary")
-    card = combined_scorecard(cards, secondary=secondary, power=power)
+    study3 = [sid for sid in cards if sid.startswith("study3")]
+    dependence = None
+    if len(study3) == 2:  # both models analysed: the model-dependence table (PLAN.md section 6)
+        dependence = model_dependence_rows(profile).to_dict("records")
+    card = combined_scorecard(
+        cards,
+        secondary=secondary,
+        power=power,
+        study_secondary={sid: cards[sid]["secondary"] for sid in study3 if cards[sid].get("secondary")},
+        model_dependence=dependence,
+    )
     out = settings("study1", profile)["out"]
     figures = [Path(f) for c in cards.values() for f in c.get("figures", [])]
     paths = write_combined(card, out, figures)
     print(f"[kvcert] two-study scorecard: {paths['md']}")
     return card
+
+
+def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
+    """Study 3's model-dependence table (kvcert.studies.study3.study3_report) from both models' published records
+    and claim results -> results/study3/model_dependence.{csv,md}."""
+    import yaml
+
+    from kvcert.studies import published
+    from kvcert.studies.study3 import study3_report
+
+    records, documents, cards = {}, {}, {}
+    for sid in ("study3_smollm2", "study3_gemma3"):
+        st = settings(sid, profile)
+        pub = load_published(st["published"])
+        records[sid] = (pub["examples"], published.synthetic_steps(pub["cells"], pub["exceedances"]))
+        documents[sid] = yaml.safe_load(Path(st["predictions"]).read_text())
+        claims_dir = st["out"] / "tables"
+        cards[sid] = {
+            "claims": [json.loads(p.read_text()) for p in sorted(claims_dir.glob("claim_c*.json"))],
+        }
+    return study3_report(records, documents, cards, settings("study3_smollm2", profile)["out"].parent)
 
 
 def analyze_records(
@@ -423,8 +485,13 @@ def main(argv: list[str] | None = None) -> int:
                 into = settings(study, profile)["scorecard"] / "regenerated" if args.regenerated else None
                 publish(profile, study=study, into=into)
             if args.command in ("analyze", "smoke"):
+                published_dir = settings(study, profile)["published"]
+                if args.command == "analyze" and study.startswith("study3") and not published_dir.exists():
+                    # study 3 is analysed once its records are published; studies 1-2 do not wait for it
+                    print(f"[kvcert] {study}: no published records in {published_dir} yet; skipped")
+                    continue
                 cards[study] = analyze(profile, study=study)
-        if len(cards) == len(STUDIES):
+        if {"study1", "study2"} <= set(cards):
             combine(cards, profile)
     except (ConfigError, ModelLoadError, TaskError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

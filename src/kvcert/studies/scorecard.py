@@ -126,12 +126,22 @@ def _power_rows(studies: Mapping[str, Mapping], power: Mapping | None) -> dict[s
     return out
 
 
-def combined_scorecard(studies: dict[str, dict], *, secondary: dict | None = None, power: dict | None = None) -> dict:
+def combined_scorecard(
+    studies: dict[str, dict],
+    *,
+    secondary: dict | None = None,
+    power: dict | None = None,
+    study_secondary: Mapping[str, dict] | None = None,
+    model_dependence: list[dict] | None = None,
+) -> dict:
     """Study id -> that study's scorecard ({"lock", "claims"}, optional "profile", "runs", "n_examples") into one
     strict-JSON dict: `studies` (each lock and claims as they came, `interval` = `ci` added), `side_by_side` (one row
     per claim id with each study's verdict / observed / ci, the paper's verdict / value and the replication label),
     `footer` (multiplicity, N against the power target, direction of each inconclusive result, T1's interval) and,
-    with `secondary` (S-id -> {estimate, lo, hi, status, ...}), studies.study2.secondary."""
+    with `secondary` (S-id -> {estimate, lo, hi, status, ...}), studies.study2.secondary; `study_secondary` (study id
+    -> its S-id mapping) does the same for other studies (study 3's models), and `model_dependence` (rows of
+    kvcert.studies.model_dependence: claim, metric, both estimates, difference, interval, reading) is kept as
+    `model_dependence` and rendered as its own table."""
     if not studies:
         raise ValueError("no study scorecards")
     if secondary is not None and "study2" not in studies:
@@ -146,6 +156,8 @@ def combined_scorecard(studies: dict[str, dict], *, secondary: dict | None = Non
         out_studies[sid] = entry
     if secondary is not None:
         out_studies["study2"]["secondary"] = secondary
+    for sid, sec in (study_secondary or {}).items():
+        out_studies[sid]["secondary"] = sec
 
     by_study = {sid: {str(c["id"]): c for c in card.get("claims", [])} for sid, card in studies.items()}
     rows = []
@@ -196,7 +208,10 @@ def combined_scorecard(studies: dict[str, dict], *, secondary: dict | None = Non
             "by_study": {sid: c.get("ci") for sid, c in t1.items()},
         },
     }
-    return jsonable({"studies": out_studies, "side_by_side": rows, "footer": footer})
+    card = {"studies": out_studies, "side_by_side": rows, "footer": footer}
+    if model_dependence is not None:
+        card["model_dependence"] = list(model_dependence)
+    return jsonable(card)
 
 
 # ------------------------------------------------------------------------------------------------------ rendering
@@ -226,8 +241,8 @@ def _table(card: Mapping) -> tuple[list[str], list[list[str]], list[str]]:
     return header, body, classes
 
 
-def _secondary_rows(card: Mapping) -> list[list[str]]:
-    sec = card["studies"].get("study2", {}).get("secondary") or {}
+def _secondary_rows(card: Mapping, study: str = "study2") -> list[list[str]]:
+    sec = card["studies"].get(study, {}).get("secondary") or {}
     rows = []
     for sid, s in sec.items():
         s = s if isinstance(s, Mapping) else {"estimate": s}
@@ -238,6 +253,29 @@ def _secondary_rows(card: Mapping) -> list[list[str]]:
 
 
 SECONDARY_HEADER = ["id", "prediction", "estimate [CI]", "status"]
+DEPENDENCE_HEADER = ["claim", "metric", "model A", "model B", "A - B [95% CI]", "verdicts A / B", "reading"]
+
+
+def _dependence_rows(card: Mapping) -> list[list[str]]:
+    rows = []
+    for r in card.get("model_dependence") or []:
+        diff = f"{_fmt(r.get('difference'))} [{_fmt(r.get('ci_low'))}, {_fmt(r.get('ci_high'))}]"
+        verdicts = f"{r.get('verdict_a')} / {r.get('verdict_b')}"
+        a = f"{r.get('model_a', 'A')}: {_fmt(r.get('estimate_a'))}"
+        b = f"{r.get('model_b', 'B')}: {_fmt(r.get('estimate_b'))}"
+        rows.append([str(r.get("claim")), str(r.get("metric")), a, b, diff, verdicts, str(r.get("reading"))])
+    return rows
+
+
+def _secondary_sections(card: Mapping) -> list[tuple[str, list[list[str]]]]:
+    """(title, rows) per study with secondary predictions, study 2 first (its title unchanged)."""
+    out = []
+    for sid in card["studies"]:
+        rows = _secondary_rows(card, sid)
+        if rows:
+            what = "S1-S5" if sid == "study2" else "S1-S6, C5 descriptive"
+            out.append((f"{sid} secondary predictions ({what}; never change a claim's verdict)", rows))
+    return out
 
 
 def _footer_lines(card: Mapping) -> list[str]:
@@ -283,9 +321,12 @@ def combined_markdown(card: Mapping) -> str:
     lines += [f"- {sid}: {s['lock']['line']}" for sid, s in card["studies"].items()]
     header, body, _ = _table(card)
     lines += ["", *table(header, body)]
-    sec = _secondary_rows(card)
-    if sec:
-        lines += ["", "## study2 secondary predictions (S1-S5; never change a claim's verdict)", ""]
+    dependence = _dependence_rows(card)
+    if dependence:
+        lines += ["", "## Model dependence (study 3: SmolLM2 - Gemma 3, read as declared in its PLAN.md)", ""]
+        lines += table(DEPENDENCE_HEADER, dependence)
+    for title, sec in _secondary_sections(card):
+        lines += ["", f"## {title}", ""]
         lines += table(SECONDARY_HEADER, sec)
     lines += ["", "## Notes", ""] + [f"- {x}" for x in _footer_lines(card)]
     return "\n".join(lines) + "\n"
@@ -308,8 +349,13 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
         f"<li>{html.escape(sid)}: {html.escape(study['lock']['line'])}</li>" for sid, study in card["studies"].items()
     )
     header, body, classes = _table(card)
-    sec = _secondary_rows(card)
-    sec_html = f"<h2>study2 secondary predictions</h2>{table(SECONDARY_HEADER, sec)}" if sec else ""
+    dependence = _dependence_rows(card)
+    sec_html = (
+        f"<h2>Model dependence (study 3)</h2>{table(DEPENDENCE_HEADER, dependence)}" if dependence else ""
+    ) + "".join(
+        f"<h2>{html.escape(title.split(' (')[0])}</h2>{table(SECONDARY_HEADER, sec)}"
+        for title, sec in _secondary_sections(card)
+    )
     notes = "".join(f"<li>{html.escape(x)}</li>" for x in _footer_lines(card))
     imgs = "".join(
         f'<figure><img src="{html.escape(f)}" alt="{html.escape(f)}" style="max-width:720px">'
