@@ -62,6 +62,8 @@ def _tree(root: Path, move: bool) -> dict[str, dict]:
     in study2/), with a subset of each study's published records; returns the STUDIES entries pointing at it."""
     studies = {}
     for sid, entry in rep.STUDIES.items():
+        if not Path(entry["published"]).exists():  # study 3 before its records are published
+            continue
         pub = published.load_published(entry["published"])
         ids = sorted(pub["examples"]["example_id"].astype(str).unique())
         keep = set(ids[:: max(1, len(ids) // N_EXAMPLES)][:N_EXAMPLES])
@@ -70,16 +72,19 @@ def _tree(root: Path, move: bool) -> dict[str, dict]:
             return df[df["example_id"].astype(str).isin(keep)].reset_index(drop=True)
 
         examples, exceed = subset(pub["examples"]), _widened(subset(pub["exceedances"]))
-        t1 = json.loads((Path(entry["out"]) / "tables" / "t1.json").read_text())
+        t1_path = Path(entry["out"]) / "tables" / "t1.json"
+        t1 = json.loads(t1_path.read_text()) if t1_path.exists() else None  # study 3 repeats no T1
         if move:
-            examples, exceed, t1 = _one_ulp(examples), _one_ulp(exceed), _t1_one_ulp(t1)
+            examples, exceed = _one_ulp(examples), _one_ulp(exceed)
+            t1 = _t1_one_ulp(t1) if t1 is not None else None
         out = root if sid == "study1" else root / sid
         meta = {**pub["meta"], "run": f"runs/{sid}"}
         published.write_published(
             root / "published" / sid, examples=examples, cells=subset(pub["cells"]), exceed=exceed, meta=meta
         )
         (out / "tables").mkdir(parents=True, exist_ok=True)
-        (out / "tables" / "t1.json").write_text(json.dumps(t1))
+        if t1 is not None:
+            (out / "tables" / "t1.json").write_text(json.dumps(t1))
         scorecard = root / "study1" if sid == "study1" else out
         studies[sid] = {**entry, "out": out, "published": root / "published" / sid, "scorecard": scorecard}
     return studies
