@@ -389,3 +389,13 @@ def test_keep_all_on_the_packaged_gemma3_reproduces_transformers(gemma3) -> None
     for res in generate_variants(model, tok, r, policies, DecodeOptions(max_new_tokens=steps)):
         assert res.tokens == ref_tokens, res.policy.label
         assert max(abs(a - b) for a, b in zip(res.logprobs, ref_lp)) < 1e-4, res.policy.label
+
+
+def test_one_softmax_scale_across_layers_or_a_one_line_refusal() -> None:
+    from kvcert.hf.prefill import attention_scale
+
+    model, _ = tiny_gemma3_model()
+    assert attention_scale(model) == model.model.layers[0].self_attn.scaling  # every layer the same: as before
+    model.model.layers[1].self_attn.scaling = 0.5  # a model whose layers differ would get wrong attention
+    with pytest.raises(ModelLoadError, match=r"different softmax scales \(\[.*0\.5.*\]\); kvcert applies one scale"):
+        attention_scale(model)

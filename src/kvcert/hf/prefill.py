@@ -36,10 +36,19 @@ from kvcert.policy import Policy
 
 
 def attention_scale(model) -> float:
-    """The softmax scale every attention layer of the model uses (Gemma's query_pre_attn_scalar included)."""
+    """The softmax scale every attention layer of the model uses (Gemma's query_pre_attn_scalar included). The
+    engine applies one scale to every layer, so a model whose layers declare different scales is refused."""
+    from kvcert.hf.loading import ModelLoadError
+
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return float(getattr(model.model.layers[0].self_attn, "scaling", head_dim**-0.5))
+    scales = [float(getattr(layer.self_attn, "scaling", head_dim**-0.5)) for layer in model.model.layers]
+    if len(set(scales)) > 1:
+        raise ModelLoadError(
+            f"{type(model).__name__}'s attention layers use different softmax scales ({sorted(set(scales))}); "
+            "kvcert applies one scale to every layer and does not support this model yet"
+        )
+    return scales[0]
 
 
 @dataclass(frozen=True, kw_only=True)
