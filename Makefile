@@ -81,7 +81,9 @@ reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated
 	$(PY) -m kvcert.prereg verify --study study1
 	$(PY) -m kvcert.prereg verify --study study2
 	$(PY) -m kvcert.prereg verify --study study3
-	$(PY) -m kvcert.reproduce run --study all
+	$(PY) -m kvcert.reproduce run --study study1
+	$(PY) -m kvcert.reproduce run --study study2
+	$(STUDY3_RUN)
 	$(PY) -m kvcert.reproduce publish --study all --regenerated
 	$(PY) -m kvcert.studies.regenerate full --study all
 	$(PY) -m kvcert.reproduce analyze --study all
@@ -89,10 +91,13 @@ reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated
 regenerate-check: $(STAMP) ## regenerate N examples per study (default 10, minutes) and judge them against the published records by the declared tolerances
 	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)
 
+# study 3's two models side by side, one core each (its configs pin threads=1); fails if either fails
+STUDY3_RUN = $(PY) -m kvcert.reproduce run --study study3_smollm2 & pid=$$!; \
+	$(PY) -m kvcert.reproduce run --study study3_gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
+
 study3: $(STAMP) ## study 3 alone: both models side by side (one core each, resumable) -> published records -> scorecard
 	$(PY) -m kvcert.prereg verify --study study3
-	$(PY) -m kvcert.reproduce run --study study3_smollm2 & pid=$$!; \
-		$(PY) -m kvcert.reproduce run --study study3_gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
+	$(STUDY3_RUN)
 	$(PY) -m kvcert.reproduce publish --study study3_smollm2
 	$(PY) -m kvcert.reproduce publish --study study3_gemma3
 	$(PY) -m kvcert.reproduce analyze --study all

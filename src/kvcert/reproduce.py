@@ -1,4 +1,4 @@
-"""Reproduce both studies end to end: (pilot -> lock ->) confirmatory runs -> published records -> analysis ->
+"""Reproduce the studies end to end: (pilot -> lock ->) confirmatory runs -> published records -> analysis ->
 scorecards.
 
     python -m kvcert.reproduce run --study all       # every claim experiment of each study, resumable; then T1
@@ -27,6 +27,12 @@ Studies (STUDIES; `--study`, default study1; the Makefile passes `--study all`):
   file `# @package _global_`), out results/study2/, lock
   preregistration/study2/LOCK.json. Its C1-C7 and T1 are analysed by the same locked code as study 1's (the same
   predictions schema); the secondary predictions S1-S5 and the two-study scorecard are kvcert.studies.
+
+- study3_smollm2, study3_gemma3: study 3 (preregistration/study3/PLAN.md), one entry per model under one lock
+  (preregistration/study3/LOCK.json): predictions_<model>.yaml, conf/claim/study3/<model>/*.yaml, out
+  results/study3/<model>/; threads 1 each, so `make study3` runs the two side by side. `analyze --study all` skips
+  a study-3 model until its records are published, and adds the model-dependence table
+  (kvcert.studies.model_dependence, results/study3/model_dependence.*) to results/scorecard.* once both are.
 
 Each study pins `threads` (a `threads=N` override) for every step, T1 included (torch.set_num_threads before the
 demonstration; before this it inherited whatever ran last). `run` appends timestamped progress to
