@@ -391,7 +391,8 @@ def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
         cards[sid] = {
             "claims": [json.loads(p.read_text()) for p in sorted(claims_dir.glob("claim_c*.json"))],
         }
-    return study3_report(records, documents, cards, settings("study3_smollm2", profile)["out"].parent)
+    out = ROOT / "results" / "study3" / ("" if profile == "confirmatory" else profile)
+    return study3_report(records, documents, cards, out)
 
 
 def analyze_records(

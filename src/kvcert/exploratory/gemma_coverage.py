@@ -57,8 +57,8 @@ def summarize(cells: pd.DataFrame, floor: float) -> dict[str, pd.DataFrame]:
         ratio=np.where(radius > 0, error / np.maximum(radius, 1e-300), np.inf),
         rel_error=error / np.maximum(cells["out_norm"].to_numpy(np.float64), 1e-30),
         rel_radius=radius / np.maximum(cells["out_norm"].to_numpy(np.float64), 1e-30),
-        tail_bin=pd.cut(cells["tail_mass"], [0, 1e-4, 1e-3, 1e-2, 0.1, 1.0], include_lowest=True),
-        pmax_bin=pd.cut(cells["p_max"], [0, 0.1, 0.3, 0.6, 0.9, 1.0], include_lowest=True),
+        tail_bin=pd.cut(cells["tail_mass"].astype(np.float64), [0, 1e-4, 1e-3, 1e-2, 0.1, 1.0], include_lowest=True),
+        pmax_bin=pd.cut(cells["p_max"].astype(np.float64), [0, 0.1, 0.3, 0.6, 0.9, 1.0], include_lowest=True),
     )
     agg = {
         "cells": ("covered", "size"),
@@ -79,13 +79,13 @@ def summarize(cells: pd.DataFrame, floor: float) -> dict[str, pd.DataFrame]:
         "by_p_max": c.groupby("pmax_bin", observed=True).agg(**agg).reset_index(),
     }
     if "ess_tail" in c:
-        ess = pd.cut(c["ess_tail"], [0, 2, 5, 10, 30, np.inf], include_lowest=True)
+        ess = pd.cut(c["ess_tail"].astype(np.float64), [0, 2, 5, 10, 30, np.inf], include_lowest=True)
         out["by_ess_tail"] = c.assign(ess_bin=ess).groupby("ess_bin", observed=True).agg(**agg).reset_index()
     return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - run by hand on the pilot's records
-    from kvcert.studies.pilot3 import run_dirs
+    from kvcert.studies.pilot3 import markdown_table, run_dirs
 
     parser = argparse.ArgumentParser(
         prog="python -m kvcert.exploratory.gemma_coverage", description=__doc__.split("\n")[0]
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # pragma: no cover - run by
         lines += [f"## {model} ({len(dirs)} pilot cells, numerical floor {floor:.3g})", ""]
         for name, table in tables.items():
             table.to_csv(args.out / f"{model}_{name}.csv", index=False)
-            lines += [f"### {name}", "", table.to_markdown(index=False, floatfmt=".4g"), ""]
+            lines += [f"### {name}", "", markdown_table(table), ""]
     (args.out / "gemma_coverage.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return 0

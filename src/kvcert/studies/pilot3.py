@@ -30,6 +30,19 @@ OUT = ROOT / "results" / "study3" / "pilot"
 PREREG = ROOT / "preregistration" / "study3"
 
 
+def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
+    """A pipe table (no optional dependency): numbers to `digits` significant digits, NaN / None as blank."""
+
+    def cell(x: object) -> str:
+        if x is None or (isinstance(x, float) and x != x):
+            return ""
+        return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+
+    rows = [[cell(x) for x in r] for r in df.itertuples(index=False)]
+    head = [str(c) for c in df.columns]
+    return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows]])
+
+
 def cell_config(model: str, level_index: int):
     from kvcert.reproduce import compose_claim
 
@@ -156,9 +169,9 @@ def select_and_write() -> pd.DataFrame:
         "Full-cache accuracy per level (15 examples each):",
         "",
     ]
-    lines += [summary.round(3).to_markdown(index=False), "", "Chosen:", "", chosen.to_markdown(index=False), ""]
+    lines += [markdown_table(summary, 3), "", "Chosen:", "", markdown_table(chosen, 3), ""]
     for model, fit in fits.items():
-        lines += [f"Per-layer multipliers, {model} (pilot C1 cells):", "", fit.round(3).to_markdown(index=False), ""]
+        lines += [f"Per-layer multipliers, {model} (pilot C1 cells):", "", markdown_table(fit, 4), ""]
     (OUT / "selection.md").write_text("\n".join(lines))
     print("\n".join(lines))
     return chosen
