@@ -88,7 +88,7 @@ reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated
 	$(PY) -m kvcert.studies.regenerate full --study all
 	$(PY) -m kvcert.reproduce analyze --study all
 
-regenerate-check: $(STAMP) ## regenerate N examples per study (default 10, minutes) and judge them against the published records by the declared tolerances
+regenerate-check: $(STAMP) ## regenerate N examples per study and study-3 model (default 10; ~25 min) and judge them against the published records by the declared tolerances
 	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)
 
 # study 3's two models side by side, one core each (its configs pin threads=1); fails if either fails

@@ -105,21 +105,44 @@ def test_missing_tolerances_say_how_to_derive_them(tmp_path):
         R.load_tolerances(tmp_path / "none.json")
 
 
-def test_declared_tolerances_cover_every_record_claim_of_both_studies():
-    tol = R.load_tolerances()
-    for study, predictions in (
-        ("study1", "preregistration/predictions.yaml"),
-        ("study2", "preregistration/study2/predictions.yaml"),
-    ):
-        import yaml
+def test_declared_tolerances_cover_every_record_claim_of_every_study():
+    import yaml
 
-        claims = yaml.safe_load((ROOT / predictions).read_text())["claims"]
+    from kvcert.reproduce import settings
+
+    tol = R.load_tolerances()
+    assert set(tol["studies"]) == set(R.ALL_STUDIES)
+    for study in R.ALL_STUDIES:
+        claims = yaml.safe_load(Path(settings(study)["predictions"]).read_text())["claims"]
         record_claims = {c for c, spec in claims.items() if spec.get("analysis") != "t1"}
         declared = tol["studies"][study]["claims"]
-        assert record_claims == set(declared)
+        assert record_claims == set(declared), study
         for cid, entry in declared.items():  # the tolerance follows from the measurements it records
             expected = tol["multiple"] * max(entry["projected_sqrt_N_over_n"], entry["flip_floor"])
             assert entry["tolerance"] == pytest.approx(expected, rel=1e-8), (study, cid)
+
+
+def test_study_names_on_the_command_line():
+    from kvcert.reproduce import STUDIES
+
+    assert list(STUDIES) == R.ALL_STUDIES  # `--study all` judges every registered study
+    with pytest.raises(SystemExit):  # argparse names the choices
+        R.main(["check", "--study", "study4"])
+
+
+def test_derive_replaces_only_the_studies_it_derived(tmp_path):
+    """Deriving study 3 leaves studies 1 and 2's tolerances byte for byte; a study derived again is replaced."""
+    path = tmp_path / "tolerances.json"
+    path.write_text((ROOT / "preregistration" / "regeneration_tolerances.json").read_text())
+    before = json.loads(path.read_text())
+    R.write_tolerances({"study3_smollm2": {"cpu": "x", "claims": {"C2": {"tolerance": 1.0 / 3}}}}, path)
+    after = json.loads(path.read_text())
+    for study in ("study1", "study2", "study3_gemma3"):
+        assert json.dumps(after["studies"][study]) == json.dumps(before["studies"][study])
+    assert after["studies"]["study3_smollm2"] == {"cpu": "x", "claims": {"C2": {"tolerance": 0.3333333333}}}
+    assert after["cpu"] == before["cpu"] and after["multiple"] == R.MULTIPLE
+    R.write_tolerances({}, tmp_path / "new.json")  # no file yet: a document with no study
+    assert json.loads((tmp_path / "new.json").read_text())["studies"] == {}
 
 
 @pytest.mark.slow

@@ -3,7 +3,9 @@ tolerances, not by bytes (float rounding changes with the CPU, the thread count 
 
     python -m kvcert.studies.regenerate check --study all -n 10   # a sample: `make regenerate-check`, minutes
     python -m kvcert.studies.regenerate full --study all           # `make reproduce`: regenerated vs published
-    python -m kvcert.studies.regenerate derive --study all -n 10   # measure float noise -> the tolerance file
+    python -m kvcert.studies.regenerate derive --study study3 -n 10  # measure float noise -> the tolerance file
+
+`--study` names one study (study1, study2, study3_smollm2, study3_gemma3), `study3` (both study-3 models) or `all`.
 
 The contract (docs/reproduction.md), per study:
 - the verdict of every claim is identical;
@@ -18,7 +20,8 @@ fail on a changed verdict, an estimate outside its tolerance or too few identica
 
 `derive` regenerates the same sample under several float roundings (the study's locked settings, the other thread
 count, the other decode path), measures how far each replicate moves every claim estimate and how many answers
-flip, and writes the tolerances (preregistration/regeneration_tolerances.json) with the numbers they come from:
+flip, and writes the tolerances (preregistration/regeneration_tolerances.json) with the numbers they come from; the
+studies it derives replace their own entries only, every other study's entry stays as it was:
 
     tolerance = K * max( sqrt(N / n) * max_r |delta_r| ,  sqrt(N_rows * p_flip) * q )
 
@@ -53,6 +56,7 @@ TOLERANCES = ROOT / "preregistration" / "regeneration_tolerances.json"
 MIN_IDENTICAL_ANSWERS = 0.99
 MULTIPLE = 3.0  # K: tolerances are K times the projected float noise
 ESTIMATES = ("observed", "ci_lo", "ci_hi")
+ALL_STUDIES = ["study1", "study2", "study3_smollm2", "study3_gemma3"]  # kvcert.reproduce.STUDIES, in its order
 
 
 # ------------------------------------------------------------------------------------------------ the sample
@@ -91,7 +95,7 @@ def regenerate_examples(
     st, c1, cfg = _study_config(study, extra_overrides)
     pub = published.load_published(st["published"])
     run = str(pub["examples"]["run"].iloc[0])  # the published run name: spliced rows join the published ones
-    rows = dict(c1.spec["rows"])
+    rows = dict(st.get("publish_rows") or c1.spec["rows"])  # the rows `publish` wrote (study 3 adds S6c's)
     multipliers = cell_table.read_multipliers(st["multipliers"]) if st.get("multipliers") else None
     floor = float(pub["meta"]["numerical_floor"])
     scratch.mkdir(parents=True, exist_ok=True)
@@ -157,7 +161,7 @@ def claim_estimates(study: str, records: dict[str, pd.DataFrame]) -> dict[str, d
             continue
         coverage = entry.spec["analysis"] == "coverage"
         r = evaluate_claim(cid, records["examples"], steps if coverage else None, entry.spec)
-        rows = int(records["cells"]["n_cells"].sum()) if coverage else _claim_rows(records["examples"], entry.spec)
+        rows = _c1_cells(records, entry.spec) if coverage else _claim_rows(records["examples"], entry.spec)
         out[cid] = {
             "verdict": r.verdict,
             "observed": _num(r.observed),
@@ -171,6 +175,15 @@ def claim_estimates(study: str, records: dict[str, pd.DataFrame]) -> dict[str, d
 
 def _num(x) -> float | None:
     return None if x is None or not math.isfinite(float(x)) else float(x)
+
+
+def _c1_cells(records: dict[str, pd.DataFrame], spec: dict) -> int:
+    """The C1 cells the coverage claim reads: the cells of its selected variants (a study may publish more rows,
+    e.g. study 3's S6c rows)."""
+    selected = accuracy.select_rows(records["examples"], dict(spec["rows"]))
+    variants = set(selected["variant"].astype(str))
+    cells = records["cells"]
+    return int(cells.loc[cells["variant"].astype(str).isin(variants), "n_cells"].sum())
 
 
 def _claim_rows(examples: pd.DataFrame, spec: dict) -> int:
@@ -406,16 +419,11 @@ def _upper95(k: int, n: int) -> float:
 
 
 def derive(studies: Sequence[str], n: int) -> dict:
-    """Regenerate the sample under each float rounding, measure, and write the tolerance file."""
-    document = {
-        "rule": "tolerance = K * max(sqrt(N/n) * max_r |delta_r|, sqrt(N_rows * p_flip) * q); K = 3 (module docstring)",
-        "multiple": MULTIPLE,
-        "min_identical_answers": MIN_IDENTICAL_ANSWERS,
-        "cpu": cpu_model(),
-        "studies": {},
-    }
-    rng = np.random.default_rng(0)
+    """Regenerate the sample under each float rounding, measure, and write the tolerance file: the derived studies'
+    entries are replaced (each with the CPU it was derived on), every other study's entry is kept as it was."""
+    entries = {}
     for study in studies:
+        rng = np.random.default_rng(0)  # per study: a study's tolerances do not depend on which others are derived
         pub = _published(study)
         ids = sample_ids(pub["examples"], n)
         n_all = int(pub["examples"]["example_id"].nunique())
@@ -454,7 +462,8 @@ def derive(studies: Sequence[str], n: int) -> dict:
                 "n_rows": ref["n_rows"],
                 "unit": ref["unit"],
             }
-        document["studies"][study] = {
+        entries[study] = {
+            "cpu": cpu_model(),
             "n_sample": len(ids),
             "n_examples": n_all,
             "ids": ids,
@@ -464,8 +473,22 @@ def derive(studies: Sequence[str], n: int) -> dict:
             "deltas": measured,
             "claims": claims,
         }
-    TOLERANCES.write_text(json.dumps(_rounded(document), indent=2) + "\n")
-    print(f"[kvcert] tolerances -> {TOLERANCES}")
+    return write_tolerances(entries)
+
+
+def write_tolerances(entries: dict[str, dict], path: Path = TOLERANCES) -> dict:
+    """Write the derived studies' entries into the tolerance file: each replaces its own study's entry, every
+    other study's entry is kept as it was (a derivation of study 3 leaves studies 1 and 2 alone)."""
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    document = {
+        "rule": "tolerance = K * max(sqrt(N/n) * max_r |delta_r|, sqrt(N_rows * p_flip) * q); K = 3 (module docstring)",
+        "multiple": MULTIPLE,
+        "min_identical_answers": MIN_IDENTICAL_ANSWERS,
+        "cpu": old.get("cpu", cpu_model()),  # where the first studies were derived; later ones name their own CPU
+        "studies": old.get("studies", {}) | _rounded(entries),
+    }
+    path.write_text(json.dumps(_rounded(document), indent=2) + "\n")
+    print(f"[kvcert] tolerances of {', '.join(entries)} -> {path}")
     return document
 
 
@@ -476,11 +499,11 @@ def _delta(a: float | None, b: float | None) -> float | None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcert.studies.regenerate", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["check", "full", "derive"])
-    parser.add_argument("--study", default="all", choices=["study1", "study2", "all"])
+    parser.add_argument("--study", default="all", choices=[*ALL_STUDIES, "study3", "all"])
     parser.add_argument("-n", type=int, default=10, help="examples per study (check, derive); default 10")
     parser.add_argument("--resume", action="store_true", help="check: reuse examples already regenerated")
     args = parser.parse_args(argv)
-    studies = ["study1", "study2"] if args.study == "all" else [args.study]
+    studies = {"all": ALL_STUDIES, "study3": ALL_STUDIES[2:]}.get(args.study, [args.study])
     if args.n < 1:
         print("error: -n must be at least 1 (examples per study)", file=sys.stderr)
         return 2
