@@ -5,16 +5,38 @@ model, tokenizer = load_model("smollm2-135m-instruct")
 print(generate(model, tokenizer, context=text, question="...", budget=0.25).summary())
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from kvcert.policy import Policy  # noqa: E402
-from kvcert.serve import (  # noqa: E402
-    Calibration,
-    CalibrationError,
-    Escalation,
-    Generation,
-    generate,
-    load_model,
-)
-
+# The public names load torch and transformers; they are imported when first used (PEP 562), so that tools that
+# need neither (`make analyze`, `python -m kvcert.prereg`) do not spend seconds importing them.
+_PUBLIC = {
+    "Calibration": "kvcert.serve",
+    "CalibrationError": "kvcert.serve",
+    "Escalation": "kvcert.serve",
+    "Generation": "kvcert.serve",
+    "Policy": "kvcert.policy",
+    "generate": "kvcert.serve",
+    "load_model": "kvcert.serve",
+}
 __all__ = ["Calibration", "CalibrationError", "Escalation", "Generation", "Policy", "generate", "load_model"]
+
+if TYPE_CHECKING:
+    from kvcert.policy import Policy
+    from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, generate, load_model
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'kvcert' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

@@ -43,6 +43,7 @@ every shard with its ETA, and complete / skipped-because-complete.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -304,9 +305,8 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
     st = settings(study, profile)
     out = st["out"]
     claims = registry(st["predictions"], st["claims"])
-    pub = load_published(st["published"])
+    pub, steps = published_records(st["published"])
     meta = pub["meta"]
-    steps = published.synthetic_steps(pub["cells"], pub["exceedances"])
     c1 = _c1_entry(claims)
     published.check_conformal_exact(steps, int(c1.spec.get("conformal_seed", 0)))
     records = {cid: (pub["examples"], steps) for cid, entry in claims.items() if not _is_t1(entry.spec)}
@@ -348,6 +348,16 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
     return card
 
 
+@functools.lru_cache(maxsize=2)  # the last two: study 3's models, which the model-dependence table reads again
+def published_records(published_dir: Path) -> tuple[dict, pd.DataFrame]:
+    """A study's published records and the synthetic C1 steps built from them (kvcert.studies.published), loaded
+    once per process: `analyze` and the model-dependence table read the same ones. Callers must not modify them."""
+    from kvcert.studies import published
+
+    pub = load_published(published_dir)
+    return pub, published.synthetic_steps(pub["cells"], pub["exceedances"])
+
+
 def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     """The two-study scorecard (kvcert.studies.scorecard) -> results/scorecard.{json,md,html} (the profile's
     study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
@@ -378,14 +388,13 @@ def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
     and claim results -> results/study3/model_dependence.{csv,md}."""
     import yaml
 
-    from kvcert.studies import published
     from kvcert.studies.study3 import study3_report
 
     records, documents, cards = {}, {}, {}
     for sid in ("study3_smollm2", "study3_gemma3"):
         st = settings(sid, profile)
-        pub = load_published(st["published"])
-        records[sid] = (pub["examples"], published.synthetic_steps(pub["cells"], pub["exceedances"]))
+        pub, steps = published_records(st["published"])  # as `analyze` loaded them a moment before
+        records[sid] = (pub["examples"], steps)
         documents[sid] = yaml.safe_load(Path(st["predictions"]).read_text())
         claims_dir = st["out"] / "tables"
         cards[sid] = {

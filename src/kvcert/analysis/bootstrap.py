@@ -8,6 +8,7 @@ difference trivial (same weight vector for both statistics) and keeps 2000 resam
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,12 +52,17 @@ def cluster_codes(clusters: Sequence | np.ndarray | pd.Series) -> tuple[np.ndarr
     return codes.astype(np.int64), len(uniques)
 
 
+@functools.lru_cache(maxsize=16)
 def bootstrap_weights(n_clusters: int, n_boot: int, seed: int) -> np.ndarray:
-    """(n_boot, n_clusters) counts: drawing n_clusters clusters with replacement, n_boot times."""
+    """(n_boot, n_clusters) counts: drawing n_clusters clusters with replacement, n_boot times. Read-only and drawn
+    once per (n_clusters, n_boot, seed): a coverage table asks for the same matrix for every group."""
     if n_clusters == 0:
-        return np.zeros((n_boot, 0))
-    rng = np.random.default_rng(seed)
-    return rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=n_boot).astype(np.float64)
+        weights = np.zeros((n_boot, 0))
+    else:
+        rng = np.random.default_rng(seed)
+        weights = rng.multinomial(n_clusters, np.full(n_clusters, 1.0 / n_clusters), size=n_boot).astype(np.float64)
+    weights.flags.writeable = False
+    return weights
 
 
 def percentile_ci(samples: np.ndarray, alpha: float = 0.05) -> tuple[float, float]:

@@ -40,6 +40,19 @@ def _bin_index(values: pd.Series, edges: Sequence[float]) -> np.ndarray:
     return codes.to_numpy().astype(np.int8)
 
 
+def as_strings(column: pd.Series, rows: np.ndarray | None = None) -> pd.api.extensions.ExtensionArray | np.ndarray:
+    """column.astype(str) at positions `rows` (all rows by default), in the dtype a DataFrame gives those strings.
+    A categorical column (published cells keep categorical keys) goes through its categories: the same strings
+    without converting every row on its own, which took seconds per column on study 2's 2.6 M synthetic rows."""
+    rows = np.arange(len(column)) if rows is None else rows
+    if isinstance(column.dtype, pd.CategoricalDtype):
+        codes = column.cat.codes.to_numpy()
+        if (codes >= 0).all():
+            categories = np.asarray(column.cat.categories.astype(str), dtype=object)
+            return pd.array(categories, dtype=pd.Series(categories).dtype).take(codes[rows])
+    return column.astype(str).to_numpy()[rows]
+
+
 def _representative(edges: Sequence[float], index: int) -> float:
     """A value that pd.cut(include_lowest=True) puts in interval `index` (NaN for -1)."""
     if index < 0:
@@ -103,27 +116,30 @@ def synthetic_steps(
     below = cells[cells["ratio_bin"] < first_exceeding]
     n = below["n_cells"].to_numpy().astype(np.int64)
     mids = np.array([0.0] + [(z[k - 1] + z[k]) / 2 for k in range(1, len(z))])
-    take = np.repeat(np.arange(len(below)), n)
-    rep = below.iloc[take]
+    take = np.repeat(np.arange(len(below)), n)  # row of `below` behind each synthetic row
+
+    def col(name: str) -> np.ndarray:
+        return below[name].to_numpy()[take]
+
     tail_rep = np.array([_representative(tail_mass_bins, i) for i in range(-1, len(tail_mass_bins) - 1)])
     pmax_rep = np.array([_representative(p_max_bins, i) for i in range(-1, len(p_max_bins) - 1)])
     synthetic = pd.DataFrame(
         {
-            "run": rep["run"].astype(str).to_numpy(),
-            "example_id": rep["example_id"].astype(str).to_numpy(),
-            "variant": rep["variant"].astype(str).to_numpy(),
-            "layer": rep["layer"].to_numpy().astype(np.int16),
-            "error": mids[rep["ratio_bin"].to_numpy().astype(np.int64)],
-            "variance": np.ones(len(rep)),
-            "tail_mass": tail_rep[rep["tail_bin"].to_numpy().astype(np.int64) + 1],
-            "p_max": pmax_rep[rep["pmax_bin"].to_numpy().astype(np.int64) + 1],
+            "run": as_strings(below["run"], take),
+            "example_id": as_strings(below["example_id"], take),
+            "variant": as_strings(below["variant"], take),
+            "layer": col("layer").astype(np.int16),
+            "error": mids[col("ratio_bin").astype(np.int64)],
+            "variance": np.ones(len(take)),
+            "tail_mass": tail_rep[col("tail_bin").astype(np.int64) + 1],
+            "p_max": pmax_rep[col("pmax_bin").astype(np.int64) + 1],
         }
     )
     real = pd.DataFrame(
         {
-            "run": exceed["run"].astype(str).to_numpy(),
-            "example_id": exceed["example_id"].astype(str).to_numpy(),
-            "variant": exceed["variant"].astype(str).to_numpy(),
+            "run": as_strings(exceed["run"]),
+            "example_id": as_strings(exceed["example_id"]),
+            "variant": as_strings(exceed["variant"]),
             "layer": exceed["layer"].to_numpy().astype(np.int16),
             "error": exceed["error"].to_numpy(np.float64),
             "variance": exceed["variance"].to_numpy(np.float64),

@@ -32,6 +32,7 @@ import pandas as pd
 
 from kvcert.analysis import accuracy, claims, coverage
 from kvcert.analysis.bootstrap import ratio_of_sums
+from kvcert.studies.published import as_strings
 
 LENGTHS = (1000, 2000, 4000)
 DEFAULT_BOOT = {"n_boot": 2000, "bootstrap_seed": 20260101, "alpha": 0.05}
@@ -122,7 +123,7 @@ def example_cells(
     ex = ex[ex["has_certificate"].astype(bool)]
     meta = ex[[*KEY, "task", "length"]].drop_duplicates(KEY)
     meta = meta.astype({k: str for k in KEY})
-    left = cells.astype({k: str for k in KEY})
+    left = cells.assign(**{k: as_strings(cells[k]) for k in KEY})  # = astype(str), through the categories
     return left.merge(meta, on=KEY, how="inner")
 
 
@@ -138,7 +139,7 @@ def cluster_ratio(
     den = np.asarray(cells[denominator] if isinstance(denominator, str) else denominator, dtype=np.float64)
     if mask is not None:
         num, den = num * mask, den * mask
-    frame = pd.DataFrame({"k": cells["example_id"].astype(str).to_numpy(), "n": num, "d": den})
+    frame = pd.DataFrame({"k": cells["example_id"].astype(str).array, "n": num, "d": den})  # grouped in its dtype
     g = frame.groupby("k", sort=True)[["n", "d"]].sum()
     ci = ratio_of_sums(g["n"].to_numpy(), g["d"].to_numpy(), **boot)
     return {
