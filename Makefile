@@ -88,7 +88,7 @@ reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated
 	$(PY) -m kvcert.studies.regenerate full --study all
 	$(PY) -m kvcert.reproduce analyze --study all
 
-regenerate-check: $(STAMP) ## regenerate N examples per study and study-3 model (default 10; ~25 min) and judge them against the published records by the declared tolerances
+regenerate-check: $(STAMP) ## regenerate N examples per study and study-3 model (default 10; ~15 min) and judge them against the published records by the declared tolerances
 	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)
 
 # study 3's two models side by side, one core each (its configs pin threads=1); fails if either fails
@@ -102,7 +102,7 @@ study3: $(STAMP) ## study 3 alone: both models side by side (one core each, resu
 	$(PY) -m kvcert.reproduce publish --study study3_gemma3
 	$(PY) -m kvcert.reproduce analyze --study all
 
-analyze: $(STAMP) ## recompute every study's tables, figures and the scorecard from the published records (~1 min, no model)
+analyze: $(STAMP) ## recompute every study's tables, figures and the scorecard from the published records (under a minute, no model)
 	$(PY) -m kvcert.reproduce analyze --study all
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)

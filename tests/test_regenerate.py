@@ -152,3 +152,21 @@ def test_check_regenerates_one_example_within_the_contract(tmp_path):
     assert res["ok"], (tmp_path / "regeneration_check.md").read_text()
     assert res["answers"]["rows"] == 21 and res["n_examples"] == 1
     assert (tmp_path / "regeneration_check.md").read_text().count("| C") == 7 * 4
+
+
+def test_full_judges_a_study3_model_against_its_published_records(tmp_path, monkeypatch):
+    """`make reproduce`'s last step on study 3: a regenerated publication equal to the published one passes, and the
+    report names the study, every record claim and its answers (Gemma 3: the smaller of the two models)."""
+    import shutil
+
+    from kvcert.reproduce import settings
+
+    shutil.copytree(settings("study3_gemma3")["published"], tmp_path / "regenerated")
+    monkeypatch.setattr(R, "study_dir", lambda study: tmp_path)
+    res = R.full("study3_gemma3")
+    assert res["ok"] and res["n_examples"] == 126
+    assert res["answers"]["rows"] == res["answers"]["identical"] == 126 * 22
+    text = (tmp_path / "regeneration.md").read_text()
+    assert "Study: study3_gemma3. Result: **PASS**" in text
+    assert {r["claim"] for r in res["claims"]} == {"C1", "C2", "C3", "C4", "C6", "C7"}
+    assert all(r["difference"] in (None, 0.0) for r in res["claims"])
