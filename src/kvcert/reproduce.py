@@ -400,7 +400,9 @@ def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
         cards[sid] = {
             "claims": [json.loads(p.read_text()) for p in sorted(claims_dir.glob("claim_c*.json"))],
         }
-    out = ROOT / "results" / "study3" / ("" if profile == "confirmatory" else profile)
+    # beside the models' folders (results/study3/ for the confirmatory profile), not under a fixed path: a study
+    # redirected elsewhere (a test's temporary tree, a user's results folder) keeps its table in its own tree
+    out = Path(STUDIES["study3_smollm2"]["out"]).parent / ("" if profile == "confirmatory" else profile)
     return study3_report(records, documents, cards, out)
 
 

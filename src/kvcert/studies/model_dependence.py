@@ -45,6 +45,7 @@ import pandas as pd
 from kvcert.analysis import accuracy, auroc, claims, coverage, intervention
 from kvcert.analysis.accuracy import POINTS
 from kvcert.analysis.bootstrap import Stat, bootstrap_weights, cluster_codes, percentile_ci, weighted_mean
+from kvcert.analysis.scorecard import round_frame
 from kvcert.records import atomic_text
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C6", "C7")
@@ -379,10 +380,12 @@ def model_dependence_markdown(df: pd.DataFrame, names: tuple[str, str] = ("A", "
 def write_model_dependence(
     df: pd.DataFrame, out_dir: str | Path, names: tuple[str, str] = ("A", "B")
 ) -> dict[str, Path]:
-    """model_dependence.csv (full precision) and model_dependence.md in out_dir, each written atomically."""
+    """model_dependence.csv and model_dependence.md in out_dir, each written atomically, from the table rounded to
+    ten significant digits (as every table `make analyze` writes: the same bytes on any CPU)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "model_dependence.csv", "md": out / "model_dependence.md"}
-    atomic_text(df.to_csv(index=False), paths["csv"])
-    atomic_text(model_dependence_markdown(df, names), paths["md"])
+    rounded = round_frame(df)
+    atomic_text(rounded.to_csv(index=False), paths["csv"])
+    atomic_text(model_dependence_markdown(rounded, names), paths["md"])
     return paths
