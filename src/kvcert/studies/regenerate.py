@@ -56,7 +56,6 @@ TOLERANCES = ROOT / "preregistration" / "regeneration_tolerances.json"
 MIN_IDENTICAL_ANSWERS = 0.99
 MULTIPLE = 3.0  # K: tolerances are K times the projected float noise
 ESTIMATES = ("observed", "ci_lo", "ci_hi")
-ALL_STUDIES = ["study1", "study2", "study3_smollm2", "study3_gemma3"]  # kvcert.reproduce.STUDIES, in its order
 
 
 # ------------------------------------------------------------------------------------------------ the sample
@@ -485,7 +484,7 @@ def write_tolerances(entries: dict[str, dict], path: Path = TOLERANCES) -> dict:
         "multiple": MULTIPLE,
         "min_identical_answers": MIN_IDENTICAL_ANSWERS,
         "cpu": old.get("cpu", cpu_model()),  # where the first studies were derived; later ones name their own CPU
-        "studies": old.get("studies", {}) | _rounded(entries),
+        "studies": old.get("studies", {}) | entries,
     }
     path.write_text(json.dumps(_rounded(document), indent=2) + "\n")
     print(f"[kvcert] tolerances of {', '.join(entries)} -> {path}")
@@ -496,14 +495,23 @@ def _delta(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else b - a
 
 
+def study_groups() -> dict[str, list[str]]:
+    """The names `--study` accepts beside each study of kvcert.reproduce.STUDIES: `all` (every study, in its order)
+    and `study3` (both study-3 models)."""
+    from kvcert.reproduce import STUDIES
+
+    return {"all": list(STUDIES), "study3": [s for s in STUDIES if s.startswith("study3_")]}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvcert.studies.regenerate", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["check", "full", "derive"])
-    parser.add_argument("--study", default="all", choices=[*ALL_STUDIES, "study3", "all"])
+    groups = study_groups()
+    parser.add_argument("--study", default="all", choices=[*groups["all"], *groups])
     parser.add_argument("-n", type=int, default=10, help="examples per study (check, derive); default 10")
     parser.add_argument("--resume", action="store_true", help="check: reuse examples already regenerated")
     args = parser.parse_args(argv)
-    studies = {"all": ALL_STUDIES, "study3": ALL_STUDIES[2:]}.get(args.study, [args.study])
+    studies = groups.get(args.study, [args.study])
     if args.n < 1:
         print("error: -n must be at least 1 (examples per study)", file=sys.stderr)
         return 2
