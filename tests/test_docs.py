@@ -193,3 +193,37 @@ def test_extractor_reads_spans_and_links_but_not_fences():
     assert found[-1][2] == ROOT / "docs" / "api.md"
     assert _is_generated(ROOT / "results" / "runs" / "x") and _is_generated(ROOT / "results/study1/regenerated/a")
     assert not _is_generated(ROOT / "results" / "scorecard.md")
+
+
+COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+STUDY_COUNT_PHRASE = re.compile(r"\b(one|two|three|four|five|six)[- ]stud(?:y|ies)\b", re.I)
+
+
+def _scorecard_studies() -> list[str]:
+    import json
+
+    return list(json.loads((ROOT / "results" / "scorecard.json").read_text())["studies"])
+
+
+def test_readme_counts_the_studies_the_scorecard_holds():
+    """The README's words for how many studies there are match results/scorecard.json (study 3's two models are one
+    study with two columns): a README that still said "two-study" beside a four-column scorecard misled readers."""
+    numbers = {re.match(r"study(\d+)", s).group(1) for s in _scorecard_studies()}
+    word = COUNT_WORDS[len(numbers)]
+    text = _without_fences((ROOT / "README.md").read_text())
+    said = {m.group(1).lower() for m in STUDY_COUNT_PHRASE.finditer(text)}
+    said |= {m.group(1).lower() for m in re.finditer(r"the (one|two|three|four|five|six) studies", text, re.I)}
+    assert said == {word}, f"README.md speaks of {sorted(said)} studies; results/scorecard.json holds {word}"
+
+
+def test_readme_scorecard_table_is_the_committed_one():
+    """The results table in the README is copied from results/scorecard.md, row for row (one column per study)."""
+
+    def claim_rows(text: str) -> list[str]:
+        return [line for line in text.splitlines() if re.match(r"\| (C\d|T\d): ", line)]
+
+    readme = claim_rows((ROOT / "README.md").read_text())
+    committed = claim_rows((ROOT / "results" / "scorecard.md").read_text())
+    assert committed and readme == committed, "copy the claim rows of results/scorecard.md into README.md"
+    header = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| claim | study"))
+    assert header.count(" verdict, estimate [CI]") == len(_scorecard_studies())
