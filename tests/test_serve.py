@@ -112,6 +112,31 @@ def test_escalation_to_the_full_cache_continues_as_full_cache_greedy(tiny_smol):
     assert out.kv_bytes >= out.full_kv_bytes * 0.9  # the full cache was held after the escalation
 
 
+def test_the_full_cache_needs_no_calibration_and_holds_exactly_the_full_cache(tiny_smol):
+    """policy=FULL: no "no calibration" warning, every certificate exactly 0 and every token trusted, and kv_bytes
+    equals full_kv_bytes, counted independently here from the model's shape (every layer: prompt + max_new_tokens
+    + the one reserved slot); a compressed cache of the same prompt holds less."""
+    from kvcert.policy import FULL
+
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7003)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with no_eos(model):
+            out = generate(model, tok, context=ex.context, question=ex.question, policy=FULL,
+                           model_name="tiny-full", max_new_tokens=6)  # fmt: skip
+    assert not [w for w in caught if "calibration" in str(w.message)]
+    assert all(out.trusted) and all(c == 0.0 for c in out.certificate) and len(out.tokens) == 6
+    assert out.calibration is not None and "(uncalibrated)" not in out.summary()
+    cfg = model.config
+    slot = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # float32 K and V
+    assert out.kv_bytes == out.full_kv_bytes == slot * cfg.num_hidden_layers * (out.prompt_tokens + 6 + 1)
+    with no_eos(model):
+        kept = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
+                        model_name="tiny-full", max_new_tokens=6)  # fmt: skip
+    assert kept.full_kv_bytes == out.full_kv_bytes and kept.kv_bytes < out.kv_bytes
+
+
 def test_a_calibration_that_does_not_apply_is_refused_and_none_is_announced_once(tiny_smol, tmp_path):
     model, tok = tiny_smol
     ex = _example(tok)

@@ -12,7 +12,8 @@ Token i's certificate is that of the forward that predicted it (`kvcert.serve.ce
 a prompt is read comes from exact attention over the whole prompt (the policy compresses after reading it), so its
 certificate is 0; so is every token decoded with the full cache. A token is `trusted` when a calibration applies to
 the model, the policy and the budget and its certificate is finite; without one, `generate` warns once and marks
-every token untrusted: an uncalibrated radius is never presented as a bound.
+every token untrusted: an uncalibrated radius is never presented as a bound. A full-cache generation (`policy=FULL`)
+needs no calibration: its certificates are exactly 0 and every token is trusted, without a warning.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvcert.serve.certificate import token_certificate
 
 DEFAULT_MAX_NEW_TOKENS = 64
 SIGNALS = ("certificate", "confidence", "random")
+EXACT = "none needed (full cache: exact)"  # Generation.calibration of a full-cache generation
 MESSAGES_WINDOW = 32  # tokens at the end of a chat prompt that play the question (see build_prompt)
 _WARNED: set[tuple] = set()
 
@@ -95,7 +97,7 @@ class Generation:
     steps: list[Token]
     escalations: list[Escalated]
     kv_bytes: int  # the most the compressed cache held (keys and values, reserved slots included)
-    full_kv_bytes: int  # what the full cache of the same tokens holds (same dtype, same layers)
+    full_kv_bytes: int  # what this engine's full cache of the same prompt and max_new_tokens holds (>= kv_bytes)
     prompt_tokens: int
     policy: Policy
     calibration: str | None  # what calibrated the certificates ("model: file"), None when uncalibrated
@@ -153,6 +155,8 @@ def resolve_calibration(
     """(the calibration to use or None, its label). "auto": the shipped file of a packaged model; a path or a
     Calibration must match the model, the policy and the budget (CalibrationError otherwise)."""
     label = None
+    if policy.is_full:  # the full cache is exact: nothing to calibrate, every certificate is 0 and every token trusted
+        return None, EXACT
     if calibration == "auto":
         cal = shipped(model_name) if model_name else None
         if cal is not None:
@@ -212,17 +216,17 @@ def build_prompt(tokenizer, *, context, question, messages, prompt_format: str):
     return rendered.input_ids, rendered.question_start, rendered.stop_strings
 
 
-def full_cache_bytes(model, tokens: int) -> int:
-    """Bytes of the full cache of `tokens` tokens: keys and values of every layer (a sliding-window layer holds at
-    most its window), in the model's dtype."""
-    from kvcert.hf.prefill import layer_windows
-
+def full_cache_bytes(model, prompt_tokens: int, max_new_tokens: int) -> int:
+    """Bytes this engine's full cache holds for the prompt and max_new_tokens: keys and values of every token in
+    every layer plus the one slot each layer reserves beyond the last token, in the model's dtype. It is exactly
+    what `generate(..., policy=FULL)` reports as kv_bytes, so a compressed cache is compared with the full cache of
+    the same engine (a sliding-window layer keeps every token here too; its mask hides those outside the window)."""
     cfg = model.config
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     size = next(model.parameters()).element_size()
-    held = sum(tokens if w is None else min(w, tokens) for w in layer_windows(model))
-    return 2 * n_kv * head_dim * size * held
+    slots = prompt_tokens + max_new_tokens + 1  # kvcert.hf.prefill reserves max_new_tokens + 1 slots per layer
+    return 2 * n_kv * head_dim * size * slots * int(cfg.num_hidden_layers)
 
 
 def kv_bytes(batch) -> int:
@@ -401,7 +405,7 @@ def generate(
         steps=stream.steps,
         escalations=stream.escalations,
         kv_bytes=kv_held,
-        full_kv_bytes=full_cache_bytes(model, len(ids) + max_new_tokens),
+        full_kv_bytes=full_cache_bytes(model, len(ids), max_new_tokens),
         prompt_tokens=len(ids),
         policy=policy,
         calibration=cal_label,
