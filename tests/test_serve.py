@@ -112,6 +112,39 @@ def test_escalation_to_the_full_cache_continues_as_full_cache_greedy(tiny_smol):
     assert out.kv_bytes >= out.full_kv_bytes * 0.9  # the full cache was held after the escalation
 
 
+def test_answer_scope_escalation_restarts_the_answer_as_full_cache_greedy(tiny_smol):
+    """scope="answer": when the answer's running certificate crosses, everything written is discarded and the answer
+    restarts from the prompt with the full cache, so the final answer is plain transformers greedy on the prompt;
+    the stream sees the restart as an Escalated event; a random answer-level control restarts before decoding."""
+    from kvcert.serve.generate import Escalated
+
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7004)
+    events = []
+    with no_eos(model):
+        out = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
+                       escalate=Escalation(threshold=-1.0, scope="answer"), max_new_tokens=8,
+                       on_token=events.append)  # fmt: skip
+    ids, _, _ = build_prompt(tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto")
+    ref, ref_logprobs = hf_greedy(model, ids, 8)
+    assert out.tokens == ref[: len(out.tokens)] and len(out.tokens) == 8
+    assert np.allclose(out.logprobs, ref_logprobs[: len(out.tokens)], atol=1e-4)
+    (esc,) = out.escalations
+    assert (esc.token, esc.scope, esc.discarded, esc.reread_tokens) == (0, "answer", 1, len(ids))
+    assert all(c == 0.0 for c in out.certificate) and all(t.budget == 1.0 for t in out.steps)
+    restart = [i for i, e in enumerate(events) if isinstance(e, Escalated)]
+    assert restart == [1] and [e.id for e in events[2:]] == out.tokens  # one token streamed, void, then the answer
+    with no_eos(model):
+        never = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
+                         escalate=Escalation(threshold=1e9, scope="answer"), max_new_tokens=8)  # fmt: skip
+        drawn = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
+                         escalate=Escalation(signal="random", threshold=1.0, scope="answer"), max_new_tokens=8)  # fmt: skip
+    assert not never.escalations and never.steps[-1].budget == 0.25
+    assert drawn.tokens == out.tokens and drawn.escalations[0].reread_tokens == 0  # no compressed read was wasted
+    with pytest.raises(ValueError, match="scope"):
+        Escalation(threshold=1.0, scope="sentence")
+
+
 def test_the_full_cache_needs_no_calibration_and_holds_exactly_the_full_cache(tiny_smol):
     """policy=FULL: no "no calibration" warning, every certificate exactly 0 and every token trusted, and kv_bytes
     equals full_kv_bytes, counted independently here from the model's shape (every layer: prompt + max_new_tokens

@@ -1,7 +1,8 @@
 """The `kvcert` command: certified generation for one prompt and the calibration it uses.
 
     kvcert generate --model smollm2 --context-file doc.txt --question "Who wrote it?" --budget 0.25 \
-        [--max-new-tokens 64] [--calibration FILE|none] [--escalate 0.1|none] [--json out.json] [--html out.html]
+        [--max-new-tokens 64] [--calibration FILE|none] [--escalate 0.1|none] [--escalate-scope token|answer] \
+        [--json out.json] [--html out.html]
     kvcert calibrate --model smollm2 [--tasks single_needle,fact_qa | --data file.jsonl] [--lengths 1024] [--n 20] \
         [--budgets 0.25,0.5] [--seed 5000] --out calib.json
 
@@ -116,7 +117,7 @@ def _calibration_arg(text: str | None, model_name: str, budget: float):
     return text
 
 
-def _escalate_arg(text: str | None):
+def _escalate_arg(text: str | None, scope: str = "token"):
     from kvcert.serve.generate import Escalation
 
     if text is None or text.lower() == "none":
@@ -127,7 +128,7 @@ def _escalate_arg(text: str | None):
         raise UsageError(f"--escalate {text!r} is not a rate; pass the share of answers to re-read, e.g. 0.1") from None
     if not 0.0 < rate < 1.0:
         raise UsageError(f"--escalate {rate:g} is outside (0, 1); pass the share of answers to escalate, e.g. 0.1")
-    return Escalation(rate=rate)
+    return Escalation(rate=rate, scope=scope)
 
 
 def _writable(path: str | None, flag: str) -> Path | None:
@@ -183,21 +184,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError("the question is empty; pass --question with the question about the document")
     model_name = _model_name(args.model)
     calibration = _calibration_arg(args.calibration, model_name, budget)
-    escalate = _escalate_arg(args.escalate)
+    escalate = _escalate_arg(args.escalate, args.escalate_scope)
     if escalate is not None and calibration is None:
         raise UsageError("--escalate needs a calibration (its threshold); drop --calibration none or --escalate")
     json_out, html_out = _writable(args.json, "--json"), _writable(args.html, "--html")
 
     import torch
 
-    from kvcert.serve.generate import generate
+    from kvcert.serve.generate import Escalated, generate
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = _load(model_name)
 
-    def stream(token) -> None:
-        print(token.text, end="", flush=True)
+    def stream(event) -> None:
+        if isinstance(event, Escalated):  # an answer-scope restart: what was printed is void
+            print(f"\n[restarted at budget {event.budget_to:g}: {event.reason}]", flush=True)
+            return
+        print(event.text, end="", flush=True)
 
     started = time.perf_counter()
     try:
@@ -329,6 +333,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--calibration", default=None, help="a `kvcert calibrate` file, or none (default: the shipped one)")
     g.add_argument("--escalate", default=None, help="re-read with the full cache for this share of answers, or none")
+    g.add_argument(
+        "--escalate-scope",
+        default="token",
+        choices=["token", "answer"],
+        help="token: re-read and go on from the token that crossed; answer: discard the answer and restart it",
+    )
     g.add_argument("--json", default=None, help="write the generation (tokens, certificates) as JSON here")
     g.add_argument("--html", default=None, help="write the self-contained HTML view here")
     g.add_argument("--seed", type=int, default=0, help="the randomized design's draws")

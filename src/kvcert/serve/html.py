@@ -122,14 +122,13 @@ def _token_span(tok: Token, top: float, reduction: str) -> str:
 
 def _escalation_mark(esc: Escalated) -> str:
     to = "the full cache" if esc.budget_to >= 1.0 else f"budget {esc.budget_to:g}"
-    tip = "\n".join(
-        [
-            f"escalation before token {esc.token}",
-            f"reason: {esc.reason}",
-            f"budget {esc.budget_from:g} -> {esc.budget_to:g}",
-            f"re-read {esc.reread_tokens} tokens (prompt + answer so far)",
-        ]
-    )
+    if esc.scope == "answer":  # a restart: the answer below is the larger budget's own, from its first token
+        first = f"answer restarted: {esc.discarded} token(s) written at budget {esc.budget_from:g} discarded"
+        read = f"re-read {esc.reread_tokens} tokens (the prompt)"
+    else:
+        first = f"escalation before token {esc.token}"
+        read = f"re-read {esc.reread_tokens} tokens (prompt + answer so far)"
+    tip = "\n".join([first, f"reason: {esc.reason}", f"budget {esc.budget_from:g} -> {esc.budget_to:g}", read])
     tip = escape(tip, quote=True).replace("\n", "&#10;")
     return f'<mark class="esc" data-tip="{tip}">&#8635; {escape(to)}</mark>'
 
