@@ -137,8 +137,9 @@ def test_answer_scope_escalation_restarts_the_answer_as_full_cache_greedy(tiny_s
     with no_eos(model):
         never = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
                          escalate=Escalation(threshold=1e9, scope="answer"), max_new_tokens=8)  # fmt: skip
+        coin = Escalation(signal="random", threshold=1.0, scope="answer")
         drawn = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
-                         escalate=Escalation(signal="random", threshold=1.0, scope="answer"), max_new_tokens=8)  # fmt: skip
+                         escalate=coin, max_new_tokens=8)  # fmt: skip
     assert not never.escalations and never.steps[-1].budget == 0.25
     assert drawn.tokens == out.tokens and drawn.escalations[0].reread_tokens == 0  # no compressed read was wasted
     with pytest.raises(ValueError, match="scope"):
