@@ -220,6 +220,11 @@ def write_markdown(res: dict, path: Path) -> None:
             f"| {r['tokens']} | {r['variants']} | {r['reps']} | {r['shared_s']:.2f} | {r['reprefill_s']:.2f} "
             f"| {r['speedup']:.2f}x | {r['decode_step_s'] * 1e3:.1f} |"
         )
+    lines += [
+        "",
+        "With one variant, shared and re-prefilled are the same work (one prefill, one policy): that row's ratio is "
+        "an A/A check of this run's timing noise, not a speed-up.",
+    ]
     dc = res["config"]
     lines += [
         "",
