@@ -215,7 +215,7 @@ def build_prompt(tokenizer, *, context, question, messages, prompt_format: str):
 def full_cache_bytes(model, tokens: int) -> int:
     """Bytes of the full cache of `tokens` tokens: keys and values of every layer (a sliding-window layer holds at
     most its window), in the model's dtype."""
-    from kvcert.hf.prefill import layer_windows
+    from kvcert.hf.attention import layer_windows
 
     cfg = model.config
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
