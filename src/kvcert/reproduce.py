@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     studies = list(STUDIES) if args.study == "all" else [args.study]
     from kvcert.config import ConfigError
-    from kvcert.hf.loading import ModelLoadError
+    from kvcert.hf.model_support import ModelLoadError
     from kvcert.tasks import TaskError
 
     try:
