@@ -16,6 +16,7 @@ import pandas as pd
 
 from kvcert.analysis import accuracy
 from kvcert.analysis.claims import evaluate_claim, registry
+from kvcert.analysis.tables import markdown_table
 from kvcert.records import cpu_model
 from kvcert.studies import cells as cell_table
 from kvcert.studies import published
@@ -243,12 +244,10 @@ def report_markdown(result: dict, *, title: str, cpu: str) -> str:
         f"Identical answers: {a['identical']} of {a['rows']} (example, variant) rows = {a['share']:.4f} "
         f"(required >= {a['required_share']}): {_fmt(a['pass'])}.",
         "",
-        "| claim | estimate | published | regenerated | difference | tolerance | result |",
-        "|---|---|---|---|---|---|---|",
     ]
-    for r in result["claims"]:
-        cells = [r["claim"], r["estimate"], r["published"], r["regenerated"], r["difference"], r["tolerance"]]
-        lines.append("| " + " | ".join(_fmt(c) for c in cells) + f" | {_fmt(r['pass'])} |")
+    keys = ["claim", "estimate", "published", "regenerated", "difference", "tolerance", "pass"]
+    rows = [[_fmt(r[k]) for k in keys] for r in result["claims"]]
+    lines.append(markdown_table(pd.DataFrame(rows, columns=[*keys[:-1], "result"]), parse_numbers=False))
     drift = a.get("max_abs_change_where_identical") or {}
     if drift:
         lines += ["", "Largest change where the answer is identical (descriptive):", ""]
