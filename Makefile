@@ -57,7 +57,7 @@ lint: $(STAMP) ## ruff check + ruff format --check
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
 
-smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, two-study scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
+smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, combined scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
 	$(PY) -m kvcert.reproduce smoke --study all
 	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 
