@@ -9,7 +9,8 @@ import pytest
 
 from kvcert.hf.decode import VariantResult
 from kvcert.policy import FULL, Policy
-from kvcert.records import EXAMPLE_COLUMNS, STEP_COLUMNS, ShardStore, example_frame, step_frame
+from kvcert.records import EXAMPLE_COLUMNS, STEP_COLUMNS, example_frame, step_frame
+from kvcert.shards import ShardStore
 from kvcert.tasks.ruler import Example
 
 
@@ -130,7 +131,7 @@ def test_atomic_writes_fsync_the_file_before_the_rename_and_the_folder_after(tmp
     import os
     import stat
 
-    from kvcert.records import atomic_parquet, atomic_text
+    from kvcert.shards import atomic_parquet, atomic_text
 
     events = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -165,7 +166,7 @@ def test_atomic_writes_fsync_the_file_before_the_rename_and_the_folder_after(tmp
 def test_a_folder_that_cannot_be_fsynced_is_best_effort(tmp_path, monkeypatch):
     import os
 
-    from kvcert.records import atomic_text, fsync_dir
+    from kvcert.shards import atomic_text, fsync_dir
 
     real_open = os.open
 
@@ -230,7 +231,7 @@ def test_an_unreadable_or_missing_steps_shard_marks_its_example_not_done(tmp_pat
 
 
 def test_a_shard_unreadable_past_its_footer_fails_the_merge_in_one_line_and_is_redone(tmp_path, monkeypatch):
-    from kvcert.records import ShardError
+    from kvcert.shards import ShardError
 
     store = _three_shards(tmp_path)
     bad = store.shards / "000002.steps.parquet"

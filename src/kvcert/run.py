@@ -33,7 +33,8 @@ from kvcert.config import (
     validate,
 )
 from kvcert.hf import DecodeOptions, generate_variants, load_model
-from kvcert.records import ShardError, ShardStore, atomic_text, example_frame, provenance, step_frame
+from kvcert.records import example_frame, provenance, step_frame
+from kvcert.shards import ShardError, ShardStore, atomic_text
 from kvcert.tasks import render
 
 ROOT = Path(__file__).resolve().parents[2]
