@@ -46,7 +46,7 @@ from kvcert.analysis import accuracy, auroc, claims, coverage, intervention
 from kvcert.analysis.accuracy import POINTS
 from kvcert.analysis.bootstrap import Stat, bootstrap_weights, cluster_codes, percentile_ci, weighted_mean
 from kvcert.analysis.scorecard import round_frame
-from kvcert.records import atomic_text
+from kvcert.shards import atomic_text
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C6", "C7")
 # metrics reported per analysis; the spec's primary metric is put first

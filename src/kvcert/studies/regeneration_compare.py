@@ -55,8 +55,9 @@ def regenerate_examples(
 
     from kvcert.config import policies
     from kvcert.hf import generate_variants, load_model
-    from kvcert.records import atomic_parquet, example_frame, step_frame
+    from kvcert.records import example_frame, step_frame
     from kvcert.run import decode_options, load_examples
+    from kvcert.shards import atomic_parquet
     from kvcert.tasks import render
 
     st, c1, cfg = _study_config(study, extra_overrides)
