@@ -23,9 +23,12 @@ help: ## list the targets
 # an environment that has that wheel locally, pass PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
 # A changed lock rebuilds the virtual environment from scratch, so no package outside the lock stays behind (the
 # lock it was built from is kept in $(VENV)/requirements.lock); a changed pyproject.toml only reinstalls kvcert.
+# A VENV= outside this checkout with kvcert installed editable from another, existing checkout is refused in one line
+# before anything is touched (requirements/venv_guard.py): reinstalling would break that checkout's import kvcert.
 $(STAMP): requirements.lock pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install CPython 3.11 (the lock's Python) or set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "error: $(PYTHON) is not CPython 3.11, which requirements.lock is for; set PYTHON=python3.11 (or pip install -e . into your own environment, unpinned)"; exit 1; }
+	@$(PYTHON) -I requirements/venv_guard.py "$(VENV)" "$(CURDIR)"
 	cmp -s requirements.lock $(VENV)/requirements.lock || { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV) \
 		&& $(PY) -m pip install -q pip==$(PIP_VERSION) \
 		&& $(PY) -m pip install -q --no-deps -r requirements.lock $(PIP_ARGS) \
@@ -57,7 +60,7 @@ lint: $(STAMP) ## ruff check + ruff format --check
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
 
-smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, two-study scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
+smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, combined scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
 	$(PY) -m kvcert.reproduce smoke --study all
 	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 

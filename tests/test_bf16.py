@@ -10,7 +10,7 @@ import torch
 
 from kvcert.bench.common import no_eos
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
-from kvcert.hf import attention as attention_module
+from kvcert.hf import compressed_state as compressed_state_module
 from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_random_model
 
@@ -26,7 +26,7 @@ def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeyp
     prompt = Prompt(input_ids=ids, question_start=QS, example_id="bf16")
     policy = Policy(scorer="window_question", design="randomized", budget=0.25, seed=1)
     seen = []
-    real = attention_module.Bucket.attend
+    real = compressed_state_module.Bucket.attend
 
     def spy(self, layer, query, key, value, scale, **kwargs):
         out = real(self, layer, query, key, value, scale, **kwargs)
@@ -50,7 +50,7 @@ def test_bf16_model_runs_its_attention_certificate_and_oracle_in_float32(monkeyp
             )
         return out
 
-    monkeypatch.setattr(attention_module.Bucket, "attend", spy)
+    monkeypatch.setattr(compressed_state_module.Bucket, "attend", spy)
     with no_eos(model):
         res = generate_variants(
             model, None, prompt, [FULL, policy], DecodeOptions(max_new_tokens=STEPS, backend="torch", oracle=oracle)

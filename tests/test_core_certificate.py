@@ -1,4 +1,5 @@
-"""kvcert.core.certificate: traces of the certificate's covariance, the sketch, the tight radius, the diagnostics."""
+"""kvcert.core.certificate and kvcert.core.sketch: traces of the certificate's covariance, the sketch, the tight
+radius, the diagnostics."""
 
 import math
 
@@ -13,16 +14,13 @@ from kvcert.core.certificate import (
     covariance,
     diagonal_term,
     effective_dimension,
-    make_sketch,
-    sketch_tail,
-    sketch_values,
-    sketched_trace_c2,
     tail_diagnostics,
     tight_radius,
     trace_c,
     trace_c2_exact,
 )
 from kvcert.core.simulate import monte_carlo, random_problem
+from kvcert.core.sketch import make_sketch, sketch_tail, sketch_values, sketched_trace_c2
 
 LEVELS = (0.5, 0.8, 0.9, 0.95, 0.99)
 
@@ -265,7 +263,7 @@ def test_kvstate_layout_batches_like_single_rows():
 
 def test_hot_path_sketch_estimate_equals_the_reference_form():
     """The decode loop's trace_c2_from_features gives the same tr(C^2) estimate as sketched_trace_c2."""
-    from kvcert.core.certificate import (
+    from kvcert.core.sketch import (
         make_sketch,
         sketch_tail,
         sketched_trace_c2,

@@ -1,7 +1,7 @@
 """`make analyze` writes the same bytes on any CPU: every float in the JSON, CSV, Markdown and HTML outputs is rounded
 to 10 significant digits (kvcert.analysis.scorecard.round_float) and the PNGs carry no version metadata. A different
 CPU changes the last bits of sums (summation order); here every measured float of the published records moves by one
-ulp and the whole `analyze --study all` (both studies and the two-study scorecard, on a subset of each study's
+ulp and the whole `analyze --study all` (every study and the combined scorecard, on a subset of each study's
 examples) must write byte-identical files."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 import kvcert.reproduce as rep
 from kvcert.analysis.pilot import write_pilot_summary
 from kvcert.analysis.scorecard import _fmt, jsonable, round_float, round_frame
+from kvcert.studies import analyze as study_analysis
 from kvcert.studies import published
 
 N_EXAMPLES = 24  # per study, spread over tasks and context lengths
@@ -91,7 +92,7 @@ def _tree(root: Path, move: bool) -> dict[str, dict]:
 
 
 def _fewer_resamples(registry: Callable[..., dict]) -> Callable[..., dict]:
-    """kvcert.reproduce's registry with at most N_BOOT bootstrap resamples per claim (keeps the test short)."""
+    """kvcert.studies.analyze's registry with at most N_BOOT bootstrap resamples per claim (keeps the test short)."""
 
     def wrapped(*args: object, **kwargs: object) -> dict:
         return {
@@ -109,7 +110,7 @@ def _analyze(root: Path, move: bool) -> dict[str, bytes]:
     with pytest.MonkeyPatch.context() as m:
         for sid, entry in studies.items():
             m.setitem(rep.STUDIES, sid, entry)
-        m.setattr(rep, "registry", _fewer_resamples(rep.registry))
+        m.setattr(study_analysis, "registry", _fewer_resamples(study_analysis.registry))
         assert rep.main(["analyze", "--study", "all"]) == 0
     written = sorted(p for p in root.rglob("*") if p.is_file() and p not in inputs)
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in written}

@@ -30,7 +30,7 @@ from transformers import DynamicCache
 from kvcert import records
 from kvcert.bench.common import no_eos
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
-from kvcert.hf import attention as attention_module
+from kvcert.hf import compressed_state as compressed_state_module
 from kvcert.hf import prefill as prefill_module
 from kvcert.policy import FULL, Policy
 from kvcert.tasks.ruler import Example
@@ -58,7 +58,7 @@ def run():
     prompt = Prompt(input_ids=ids, question_start=QS, example_id="ex-0")
     calls, comps, batches = [], {}, []
 
-    real_attend = attention_module.Bucket.attend
+    real_attend = compressed_state_module.Bucket.attend
     real_compress = prefill_module.compress
     real_batch = prefill_module.Prefill.compress
 
@@ -99,7 +99,7 @@ def run():
         return batch
 
     with pytest.MonkeyPatch.context() as mp, no_eos(model):
-        mp.setattr(attention_module.Bucket, "attend", attend_spy)
+        mp.setattr(compressed_state_module.Bucket, "attend", attend_spy)
         mp.setattr(prefill_module, "compress", compress_spy)
         mp.setattr(prefill_module.Prefill, "compress", batch_spy)
         # certificate, oracle and tr(C^2) at every step (defaults); torch ops, so that Bucket.attend runs per bucket
@@ -165,7 +165,7 @@ def _sketch(d: int) -> torch.Tensor:
 
 def reference_step(x: dict, prompt_keys: torch.Tensor, prompt_values: torch.Tensor) -> dict[str, np.ndarray]:
     """Every recorded statistic of one (policy, step, layer), per query head (Hq,), in float64, from the engine's
-    inputs by the definitions (hajek.py and certificate.py docstrings)."""
+    inputs by the definitions (hajek.py, certificate.py and sketch.py docstrings)."""
     q, k, v, off = x["query"], x["keys"], x["values"], x["offset"]
     n_kv, g, d = q.shape
     prefix = x["prefix"]

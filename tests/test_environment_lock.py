@@ -10,6 +10,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from kvcert import prereg
@@ -99,3 +100,78 @@ def test_matching_environment_passes(tmp_path):
 def test_this_checkout_matches_its_lock():
     """make install / CI install requirements.lock exactly; a mismatch here means the install step drifted."""
     assert prereg.environment_mismatches(ROOT) == []
+
+
+# ---------------------------------------------------------------- make VENV=<another checkout's environment>
+def _venv_guard():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("venv_guard", ROOT / "requirements/venv_guard.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_venv(path: Path, direct_url: dict | None) -> Path:
+    """A folder laid out like a virtual environment with kvcert's PEP 610 record (direct_url.json) in it."""
+    info = path / "lib/python3.11/site-packages/kvcert-0.1.0.dist-info"
+    info.mkdir(parents=True)
+    if direct_url is not None:
+        (info / "direct_url.json").write_text(json.dumps(direct_url))
+    return path
+
+
+def _editable(folder: Path) -> dict:
+    return {"dir_info": {"editable": True}, "url": folder.resolve().as_uri()}
+
+
+def test_venv_guard_refuses_an_environment_installed_editable_from_another_checkout(tmp_path):
+    guard = _venv_guard()
+    here, other = tmp_path / "clone", tmp_path / "main checkout"
+    here.mkdir()
+    other.mkdir()
+    venv = _fake_venv(other / ".venv", _editable(other))
+    assert guard.editable_source(venv) == other.resolve()
+    message = guard.refusal(str(venv), here)
+    assert message is not None and "\n" not in message
+    assert message.startswith(f"error: VENV={venv} has kvcert installed editable from {other.resolve()}")
+    assert f"run make in {other.resolve()}" in message and "make VENV=.venv" in message
+    # the checkout's own environment, wherever its kvcert points (a copied checkout reinstalls into its own)
+    assert guard.refusal(".venv", other) is None
+    assert guard.refusal(str(_fake_venv(here / "env", _editable(other))), here) is None
+    # installed editable from this checkout, or from one that is gone; not installed; installed from a wheel
+    assert guard.refusal(str(_fake_venv(tmp_path / "a", _editable(here))), here) is None
+    gone = tmp_path / "deleted clone"
+    gone.mkdir()
+    stale = _fake_venv(tmp_path / "b", _editable(gone))
+    gone.rmdir()
+    assert guard.refusal(str(stale), here) is None
+    assert guard.refusal(str(tmp_path / "no-venv-yet"), here) is None
+    assert guard.refusal(str(_fake_venv(tmp_path / "c", None)), here) is None
+    wheel = {"archive_info": {}, "url": (tmp_path / "kvcert-0.1.0-py3-none-any.whl").as_uri()}
+    assert guard.refusal(str(_fake_venv(tmp_path / "d", wheel)), here) is None
+    broken = _fake_venv(tmp_path / "e", None)
+    (next(broken.rglob("*.dist-info")) / "direct_url.json").write_text("not json")
+    assert guard.refusal(str(broken), here) is None
+
+
+def test_make_refuses_another_checkouts_environment_before_touching_it(tmp_path):
+    import shutil
+
+    if shutil.which("make") is None or sys.version_info[:2] != (3, 11):
+        pytest.skip("needs make and CPython 3.11 (the Makefile's checks)")
+    other = tmp_path / "other checkout"
+    other.mkdir()
+    venv = _fake_venv(tmp_path / "other-venv", _editable(other))
+    record = next(venv.rglob("direct_url.json"))
+    before = record.read_bytes()
+    # PY=false: should the guard ever let the rule through, nothing can be installed into the fake environment
+    make = ["make", "--no-print-directory", f"VENV={venv}", f"PYTHON={sys.executable}", "PY=false", "install"]
+    done = subprocess.run(make, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert done.stderr.splitlines()[0].startswith(f"error: VENV={venv} has kvcert installed editable from {other}")
+    assert record.read_bytes() == before and not (venv / ".installed").exists()
+    dry = subprocess.run([*make[:-2], "-n", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = dry.stdout.splitlines()
+    guard = next(i for i, line in enumerate(lines) if "requirements/venv_guard.py" in line)
+    assert guard < next(i for i, line in enumerate(lines) if "rm -rf" in line)  # before anything is removed

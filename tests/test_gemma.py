@@ -10,8 +10,9 @@ import pytest
 import torch
 import transformers
 
-from kvcert.hf import loading
-from kvcert.hf.loading import EMBEDDED_MODELS, ModelLoadError, load_model
+from kvcert.hf import loading, model_support
+from kvcert.hf.loading import EMBEDDED_MODELS, load_model
+from kvcert.hf.model_support import ModelLoadError
 from kvcert.tasks import TASKS, TaskError, make_examples, render
 from kvcert.tasks.calibrate import cut_at_stop, default_out
 from kvcert.tasks.render import resolve_prompt_format, stop_strings_for
@@ -140,11 +141,11 @@ def test_unsupported_attention_is_refused_in_one_line(tmp_path: Path, config, ne
 
 def test_module_backstop_names_the_layer() -> None:
     model, _ = tiny_random_model("llama")
-    loading.check_supported(model, "tiny")  # full attention: fine
+    model_support.check_supported(model, "tiny")  # full attention: fine
     attn = model.model.layers[1].self_attn
     attn.sinks = torch.nn.Parameter(torch.zeros(4))
     with pytest.raises(ModelLoadError, match=r"attention sinks \('model.layers.1.self_attn.sinks' in LlamaAttention\)"):
-        loading.check_supported(model, "tiny")
+        model_support.check_supported(model, "tiny")
     del attn.sinks
 
     class FakeMambaMixer(torch.nn.Module):
@@ -152,26 +153,26 @@ def test_module_backstop_names_the_layer() -> None:
 
     model.model.layers[0].mixer = FakeMambaMixer()
     with pytest.raises(ModelLoadError, match=r"layer type 'FakeMambaMixer' \(model.layers.0.mixer\)"):
-        loading.check_supported(model, "tiny")
+        model_support.check_supported(model, "tiny")
 
 
 def test_hybrid_sliding_window_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tiny_gemma3_config()
-    assert "gemma3_text" in loading.SUPPORTED_HYBRID  # kvcert's attention path applies each layer's window
-    loading._check_config("g", cfg)
-    monkeypatch.setattr(loading, "SUPPORTED_HYBRID", frozenset())  # an architecture not (yet) in the set
+    assert "gemma3_text" in model_support.SUPPORTED_HYBRID  # kvcert's attention path applies each layer's window
+    model_support._check_config("g", cfg)
+    monkeypatch.setattr(model_support, "SUPPORTED_HYBRID", frozenset())  # an architecture not (yet) in the set
     with pytest.raises(ModelLoadError) as err:
-        loading._check_config("g", cfg)
+        model_support._check_config("g", cfg)
     msg = str(err.value)
     assert "sliding_attention, window 8" in msg and "kvcert's eviction assumes full attention in every layer" in msg
     assert "allow_sliding_window=True" in msg and "\n" not in msg
-    loading._check_config("g", cfg, allow_sliding_window=True)
+    model_support._check_config("g", cfg, allow_sliding_window=True)
     monkeypatch.undo()
     model, _ = tiny_gemma3_model()
-    loading.check_supported(model, "g")
+    model_support.check_supported(model, "g")
     # Mistral-style windows stay refused (not a planned hybrid: no hint)
     with pytest.raises(ModelLoadError) as err:
-        loading._check_config("m", transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768))
+        model_support._check_config("m", transformers.MistralConfig(sliding_window=4096, max_position_embeddings=32768))
     assert "allow_sliding_window" not in str(err.value)
 
 
@@ -392,7 +393,7 @@ def test_keep_all_on_the_packaged_gemma3_reproduces_transformers(gemma3) -> None
 
 
 def test_one_softmax_scale_across_layers_or_a_one_line_refusal() -> None:
-    from kvcert.hf.prefill import attention_scale
+    from kvcert.hf.attention import attention_scale
 
     model, _ = tiny_gemma3_model()
     assert attention_scale(model) == model.model.layers[0].self_attn.scaling  # every layer the same: as before

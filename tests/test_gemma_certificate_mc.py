@@ -43,9 +43,10 @@ import pytest
 import torch
 
 from kvcert.core import get_design, hajek_attention, inclusion_probabilities, make_sketch, tight_radius, window_scores
-from kvcert.core.certificate import tail_diagnostics, tail_features, trace_c2_exact, trace_c2_from_features
+from kvcert.core.certificate import tail_diagnostics, trace_c2_exact
 from kvcert.core.hajek import certificate_radius, exact_attention
 from kvcert.core.selection import keep_count, split_head_tail
+from kvcert.core.sketch import tail_features, trace_c2_from_features
 from kvcert.hf import DecodeOptions, Prefill, Prompt
 from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_gemma3_model

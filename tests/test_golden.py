@@ -25,7 +25,7 @@ import pytest
 from kvcert.analysis.claims import load_predictions
 from kvcert.analysis.pilot import pilot_summary
 from kvcert.analysis.scorecard import jsonable, round_frame
-from kvcert.reproduce import analyze_records
+from kvcert.studies.analyze import analyze_records
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "fixtures" / "golden"

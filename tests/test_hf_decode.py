@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import kvcert.hf.prefill as prefill_module
+import kvcert.hf.compressed_batch as compressed_batch_module
 from conftest import needs_cxx
 from kvcert.hf import DecodeOptions, Prompt, generate_variants
-from kvcert.hf.attention import CompressedState
+from kvcert.hf.compressed_state import CompressedState
 from kvcert.hf.decode import StopDetector, answer_length
 from kvcert.policy import FULL, Policy
 
@@ -159,7 +159,7 @@ def test_the_compiled_backend_changes_nothing_but_float_rounding(tiny_smol, monk
     and two compression times (two oracle prefixes); one kernel call per layer and step for all buckets, and one
     statistics pass per layer group and bucket after the forward."""
     from kvcert.hf import kernel as kernel_module
-    from kvcert.hf.attention import LayerGroup
+    from kvcert.hf.layer_buffers import LayerGroup
 
     model, tok = tiny_smol
     ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(5)).tolist()
@@ -220,7 +220,7 @@ def test_the_compiled_backend_changes_nothing_but_float_rounding(tiny_smol, monk
 def test_take_tokens_is_the_gather_it_replaces():
     """The buffers' row copy equals core.hajek.gather_tokens exactly, per head and for repeated indices."""
     from kvcert.core.hajek import gather_tokens
-    from kvcert.hf.prefill import _take_tokens
+    from kvcert.hf.compressed_batch import _take_tokens
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 50, 8, generator=g)
@@ -316,7 +316,7 @@ def test_the_decoder_reads_the_device_once_per_step(tiny_smol, monkeypatch, orac
 
     monkeypatch.setattr(CompressedState, "keep_rows", keep_spy)
     monkeypatch.setattr(decode, "forward_with_state", forward_spy)
-    monkeypatch.setattr(prefill_module, "decode_batch", decode_spy)
+    monkeypatch.setattr(compressed_batch_module, "decode_batch", decode_spy)
     with reads:
         res = generate_variants(model, tok, prompt, policies, opts)
     assert kept and sizes[0] < len(policies), "rows must leave the batch during the decode"

@@ -8,7 +8,7 @@ from transformers import DynamicCache
 from conftest import hf_greedy
 from kvcert.core import gather_tokens
 from kvcert.hf import DecodeOptions, Prefill, Prompt, generate_variants, tiny_random_model
-from kvcert.hf.attention import Bucket
+from kvcert.hf.compressed_state import Bucket
 from kvcert.policy import FULL, Policy
 
 DESIGNS = ["topk", "randomized", "randomized_no_offset", "uniform"]

@@ -155,15 +155,15 @@ def test_both_backends_decode_the_same_tokens_and_statistics():
 
 
 def test_auto_falls_back_to_torch_with_one_line_when_the_kernel_cannot_build(monkeypatch, capsys):
-    from kvcert.hf import prefill
+    from kvcert.hf import compressed_batch
     from kvcert.testing import tiny_random_model
 
     model, _ = tiny_random_model("llama")
     monkeypatch.setattr(fused, "available", lambda: "no compiler here")
-    prefill._announce.cache_clear()
+    compressed_batch._announce.cache_clear()
     like = torch.zeros(1)
-    assert prefill.resolve_backend("auto", like, model.config) == "torch"
+    assert compressed_batch.resolve_backend("auto", like, model.config) == "torch"
     assert "decode backend: torch (no compiler here)" in capsys.readouterr().err
     with pytest.raises(ValueError, match="decode.backend=compiled cannot run: no compiler here"):
-        prefill.resolve_backend("compiled", like, model.config)
-    prefill._announce.cache_clear()
+        compressed_batch.resolve_backend("compiled", like, model.config)
+    compressed_batch._announce.cache_clear()

@@ -1,4 +1,5 @@
-"""Tests for kvcert.hf.loading: tiny models, refusals, one-line errors, the atomic GGUF conversion cache."""
+"""Tests for kvcert.hf.loading and kvcert.hf.model_support: tiny models, refusals, one-line errors, the atomic GGUF
+conversion cache."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from kvcert.hf import loading
-from kvcert.hf.loading import ModelLoadError, load_model
+from kvcert.hf import loading, model_support
+from kvcert.hf.loading import load_model
+from kvcert.hf.model_support import ModelLoadError
 from kvcert.testing import tiny_random_model
 
 
@@ -83,7 +85,7 @@ def test_full_attention_configs_are_accepted() -> None:
         transformers.Qwen3Config(),
         transformers.MistralConfig(sliding_window=None),
     ]:
-        loading._check_config("x", cfg)
+        model_support._check_config("x", cfg)
 
 
 def test_non_causal_lm_is_refused(tmp_path: Path) -> None:

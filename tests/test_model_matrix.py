@@ -13,7 +13,7 @@ import transformers
 
 from conftest import hf_greedy
 from kvcert.hf import DecodeOptions, Prompt, generate_variants, load_model
-from kvcert.hf.loading import ModelLoadError, check_supported
+from kvcert.hf.model_support import ModelLoadError, check_supported
 from kvcert.policy import FULL, Policy
 from kvcert.testing import save_tiny_model, tiny_config
 

@@ -1,13 +1,16 @@
 """Records: scoring and full_correct belong to the records, step rows have one row per (step, layer, head),
 shards are atomic."""
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 import pytest
 
 from kvcert.hf.decode import VariantResult
 from kvcert.policy import FULL, Policy
-from kvcert.records import EXAMPLE_COLUMNS, STEP_COLUMNS, ShardStore, example_frame, step_frame
+from kvcert.records import EXAMPLE_COLUMNS, STEP_COLUMNS, example_frame, step_frame
+from kvcert.shards import ShardStore
 from kvcert.tasks.ruler import Example
 
 
@@ -120,3 +123,146 @@ def test_provenance_names_the_cpu_and_the_thread_count(tmp_path):
     assert prov["cpu"] == cpu_model() and isinstance(prov["cpu"], str) and prov["cpu"]
     assert prov["torch_threads"] == torch.get_num_threads()
     assert prov["seeds"] == {"seed": 0} and "torch" in prov["packages"]
+
+
+def test_atomic_writes_fsync_the_file_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A shard survives a power loss: its bytes are on disk before the rename makes it visible, and the rename is
+    on disk (the folder fsync'ed) before the next file is written."""
+    import os
+    import stat
+
+    from kvcert.shards import atomic_parquet, atomic_text
+
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append("fsync dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "fsync file")
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(f"replace {Path(dst).name}")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    frame = pd.DataFrame({"a": [1, 2]})
+    atomic_parquet(frame, tmp_path / "x.parquet")
+    assert events == ["fsync file", "replace x.parquet", "fsync dir"]
+    events.clear()
+    atomic_text("hello", tmp_path / "COMPLETE")
+    assert events == ["fsync file", "replace COMPLETE", "fsync dir"]
+    assert (tmp_path / "COMPLETE").read_text() == "hello" and pd.read_parquet(tmp_path / "x.parquet").equals(frame)
+    events.clear()
+    ShardStore(tmp_path / "cell").open().write(0, frame, frame)
+    assert events == ["fsync file", "replace 000000.steps.parquet", "fsync dir"] + [
+        "fsync file",
+        "replace 000000.examples.parquet",
+        "fsync dir",
+    ]
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_folder_that_cannot_be_fsynced_is_best_effort(tmp_path, monkeypatch):
+    import os
+
+    from kvcert.shards import atomic_text, fsync_dir
+
+    real_open = os.open
+
+    def no_dirs(path, flags, *args):
+        if Path(path).is_dir():
+            raise PermissionError("folders cannot be opened here")  # as on Windows
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", no_dirs)
+    fsync_dir(tmp_path)
+    atomic_text("x", tmp_path / "a.txt")
+    assert (tmp_path / "a.txt").read_text() == "x"
+
+
+def _three_shards(tmp_path):
+    store = ShardStore(tmp_path / "cell").open()
+    for i in range(3):
+        store.write(i, pd.DataFrame({"i": [i], "v": ["ex"]}), pd.DataFrame({"i": [i] * 4, "step": range(4)}))
+    return store
+
+
+def _truncate(path, keep=0.5):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    return data[: int(len(data) * keep)]
+
+
+def test_an_unreadable_shard_is_moved_aside_with_its_sibling_and_named_in_one_line(tmp_path):
+    store = _three_shards(tmp_path)
+    bad = store.shards / "000001.examples.parquet"
+    cut = _truncate(bad)
+    good = {f.name: f.read_bytes() for f in store.shards.glob("00000[02].*")}
+    warnings = store.check(expect_steps=True)
+    assert len(warnings) == 1 and "\n" not in warnings[0]
+    line = warnings[0]
+    assert line.startswith(f"warning: shard {bad} is unreadable (Parquet magic bytes not found in footer")
+    (folder,) = (store.shards / "corrupt").iterdir()
+    assert f"moved 000001.steps.parquet, 000001.examples.parquet to {folder}/" in line
+    assert (folder / "000001.examples.parquet").read_bytes() == cut  # kept as it was, never deleted
+    assert (folder / "000001.steps.parquet").exists()
+    assert not store.is_done(1) and not (store.shards / "000001.steps.parquet").exists()
+    assert {f.name: f.read_bytes() for f in store.shards.glob("00000[02].*")} == good  # the others untouched
+    assert store.check(expect_steps=True) == []  # nothing else to move; the corrupt/ folder is not a shard
+    store.write(1, pd.DataFrame({"i": [1], "v": ["ex"]}), pd.DataFrame({"i": [1] * 4, "step": range(4)}))
+    examples, n = store.merge(expected=3)
+    assert n == 3 and store.complete and examples.i.tolist() == [0, 1, 2]
+
+
+def test_an_unreadable_or_missing_steps_shard_marks_its_example_not_done(tmp_path):
+    store = _three_shards(tmp_path)
+    (store.shards / "000000.steps.parquet").write_bytes(b"")  # a power loss after an un-synced rename
+    (store.shards / "000002.steps.parquet").unlink()
+    assert store.check(expect_steps=False)[0].startswith(
+        f"warning: shard {store.shards / '000000.steps.parquet'} is unreadable (Parquet file size is 0 bytes)"
+    )
+    assert not store.is_done(0) and store.is_done(2)  # without step records a missing steps shard is no fault
+    (line,) = store.check(expect_steps=True)
+    assert "000002.examples.parquet is unreadable (its steps shard 000002.steps.parquet is missing)" in line
+    assert not store.is_done(2) and store.is_done(1)
+    moved = sorted(f.name for f in (store.shards / "corrupt").rglob("*.parquet"))
+    assert moved == ["000000.examples.parquet", "000000.steps.parquet", "000002.examples.parquet"]
+
+
+def test_a_shard_unreadable_past_its_footer_fails_the_merge_in_one_line_and_is_redone(tmp_path, monkeypatch):
+    from kvcert.shards import ShardError
+
+    store = _three_shards(tmp_path)
+    bad = store.shards / "000002.steps.parquet"
+    real = pd.read_parquet
+
+    def read(path, *args, **kwargs):
+        if Path(path) == bad:
+            raise OSError("Couldn't deserialize thrift: TProtocolException: Invalid data\nDeserializing page header")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(pd, "read_parquet", read)
+    with pytest.raises(ShardError) as err:
+        store.merge(expected=3)
+    assert "\n" not in str(err.value) and f"shard {bad} is unreadable (Couldn't deserialize thrift" in str(err.value)
+    assert str(err.value).endswith("; rerun to redo its example")
+    assert not store.is_done(2) and not store.complete
+    assert len(list((store.shards / "corrupt").rglob("000002.*"))) == 2
+
+
+def test_a_complete_folder_with_an_unreadable_merged_file_is_merged_again(tmp_path):
+    store = _three_shards(tmp_path)
+    store.merge(expected=3)
+    reference = (store.run_dir / "examples.parquet").read_bytes()
+    assert store.check_merged() == []
+    cut = _truncate(store.run_dir / "examples.parquet", keep=0.9)
+    (line,) = store.check_merged()
+    assert line.startswith(f"warning: {store.run_dir / 'examples.parquet'} is unreadable (")
+    assert "moved examples.parquet, COMPLETE to" in line and not store.complete
+    (folder,) = (store.run_dir / "corrupt").iterdir()
+    assert (folder / "examples.parquet").read_bytes() == cut and (folder / "COMPLETE").exists()
+    store.open()
+    assert store.check() == []
+    store.merge(expected=3)
+    assert store.complete and (store.run_dir / "examples.parquet").read_bytes() == reference

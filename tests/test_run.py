@@ -130,3 +130,109 @@ def test_a_folder_saved_before_a_default_only_key_existed_is_the_same_config(tmp
     (run_dir / "config.yaml").write_text(yaml.safe_dump(saved))
     with pytest.raises(ConfigError, match="different config"):
         _cell(tmp_path, tiny_smol)
+
+
+def _crash_after(n):
+    def after_shard(written):
+        if written >= n:
+            raise RuntimeError(f"simulated crash after {written} shards")
+
+    return after_shard
+
+
+def _warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("[kvcert] warning:")]
+
+
+def _no_duplicates(frames):
+    ex, steps = frames
+    assert not ex.duplicated(["example_id", "variant"]).any()
+    assert not steps.duplicated(["example_id", "variant", "step", "layer", "head"]).any()
+
+
+def test_a_truncated_shard_is_named_moved_aside_and_redone(tmp_path, tiny_smol, capsys):
+    """Resuming with an unreadable shard (truncated by hand, or cut by a power loss after an un-synced rename): one
+    warning line names it, it is moved to shards/corrupt/ (not deleted) with its steps shard, its example is redone,
+    and the records equal an uninterrupted run's. A complete folder whose merged file is unreadable is merged again."""
+    reference = _frames(_cell(tmp_path / "ref", tiny_smol))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _cell(tmp_path / "cut", tiny_smol, after_shard=_crash_after(2))
+    run_dir = next((tmp_path / "cut").iterdir())
+    shard = run_dir / "shards" / "000000.examples.parquet"
+    cut = shard.read_bytes()[: shard.stat().st_size // 2]
+    shard.write_bytes(cut)
+    capsys.readouterr()
+    resumed = _frames(_cell(tmp_path / "cut", tiny_smol))
+    (line,) = _warnings(capsys.readouterr().err)
+    assert f"shard {shard} is unreadable (Parquet magic bytes not found in footer" in line
+    (folder,) = (run_dir / "shards" / "corrupt").iterdir()
+    assert f"moved 000000.steps.parquet, 000000.examples.parquet to {folder}/; its example is redone" in line
+    assert (folder / "000000.examples.parquet").read_bytes() == cut and (folder / "000000.steps.parquet").exists()
+    pd.testing.assert_frame_equal(resumed[0], reference[0])
+    pd.testing.assert_frame_equal(resumed[1], reference[1])
+    _no_duplicates(resumed)
+
+    merged = run_dir / "steps.parquet"
+    merged.write_bytes(merged.read_bytes()[:100])
+    again = _frames(_cell(tmp_path / "cut", tiny_smol))
+    (line,) = _warnings(capsys.readouterr().err)
+    assert line.startswith(f"[kvcert] warning: {merged} is unreadable (") and "merged again" in line
+    assert len(list((run_dir / "corrupt").rglob("steps.parquet"))) == 1
+    pd.testing.assert_frame_equal(again[1], reference[1])
+    assert (run_dir / "COMPLETE").exists()
+
+
+def test_an_empty_saved_config_is_refused_in_one_line(tmp_path, tiny_smol):
+    cfg = compose([f"results_dir={tmp_path}", *TINY])
+    run_dir = tmp_path / result_name(cfg)
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("")  # a power loss after an un-synced write
+    with pytest.raises(ConfigError, match="config.yaml is empty or not YAML") as err:
+        run_cell(cfg, model=tiny_smol[0], tokenizer=tiny_smol[1])
+    assert "\n" not in str(err.value) and sorted(p.name for p in run_dir.iterdir()) == ["config.yaml"]
+
+
+def test_a_sigkilled_cli_run_reruns_to_the_records_of_a_clean_run(tmp_path, tiny_smol):
+    """`kvcert-run` killed with SIGKILL once its first shard is on disk, then run again: the records equal a clean
+    run's, without duplicates."""
+    import os
+    import signal
+    import time
+
+    from kvcert.hf import load_model
+
+    model, tok = tiny_smol
+    folder = tmp_path / "tiny-llama"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    args = [f"results_dir={tmp_path / 'runs'}", *TINY, "task.n_examples=3", "model=hf", f"model.name={folder}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "kvcert.run", *args, f"hydra.run.dir={tmp_path / 'hydra'}"]
+    run_dir = tmp_path / "runs" / result_name(compose(args))
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 240
+        while not list((run_dir / "shards").glob("*.examples.parquet")):
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "no shard within 240 s"
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "COMPLETE").exists()
+    assert 1 <= len(list((run_dir / "shards").glob("*.examples.parquet"))) < 6
+    rerun = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    assert not _warnings(rerun.stderr)  # a kill leaves no unreadable shard
+    killed = _frames(run_dir)
+
+    clean_model, clean_tok = load_model(str(folder))
+    clean = _frames(
+        run_cell(compose([*args[1:], f"results_dir={tmp_path / 'clean'}"]), model=clean_model, tokenizer=clean_tok)
+    )
+    assert len(killed[0]) == 6 * 7
+    pd.testing.assert_frame_equal(killed[0], clean[0])
+    pd.testing.assert_frame_equal(killed[1], clean[1])
+    _no_duplicates(killed)

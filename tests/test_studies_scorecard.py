@@ -1,4 +1,4 @@
-"""The two-study scorecard (kvcert.studies.scorecard) from per-study scorecards built by the locked
+"""The combined scorecard (kvcert.studies.scorecard) from per-study scorecards built by the locked
 build_scorecard: studies object, replication labels, the inconclusive-direction footer, strict JSON."""
 
 import json

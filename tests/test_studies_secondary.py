@@ -9,9 +9,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from kvcert.analysis import claims, coverage
+from kvcert.analysis import claim_metrics, coverage
 from kvcert.studies import cells as C
 from kvcert.studies import secondary as S
+from kvcert.studies import secondary_common as common
 
 RUN = "run-a"
 DESIGN = {"tail_fraction": 0.75, "floor": 0.2, "score_power": 1.0}
@@ -83,7 +84,7 @@ def make_cells(examples, counts):
     c1 = examples[(examples["design"] == "randomized") & examples["budget"].isin([0.25, 0.5])].reset_index(drop=True)
     rows = []
     for i, r in c1.iterrows():
-        length = S.nominal_length([r["context_tokens"]])[0]
+        length = common.nominal_length([r["context_tokens"]])[0]
         base = {
             "run": r["run"],
             "example_id": r["example_id"],
@@ -110,16 +111,16 @@ def examples():
 
 
 def test_nominal_length():
-    assert S.nominal_length([1038, 2091, 1500, 3900, 4102]).tolist() == [1000, 2000, 1000, 4000, 4000]
+    assert common.nominal_length([1038, 2091, 1500, 3900, 4102]).tolist() == [1000, 2000, 1000, 4000, 4000]
 
 
 def test_band_status():
-    assert S.band_status({"lo": 0.94, "hi": 0.96}, (0.93, 0.97)) == "met"
-    assert S.band_status({"lo": 0.971, "hi": 0.99}, (0.93, 0.97)) == "failed"
-    assert S.band_status({"lo": 0.90, "hi": 0.929}, (0.93, 0.97)) == "failed"
-    assert S.band_status({"lo": 0.92, "hi": 0.95}, (0.93, 0.97)) == "undecided"
-    assert S.band_status({"lo": 0.92, "hi": 0.98}, (0.93, 0.97)) == "undecided"
-    assert S.band_status({"lo": float("nan"), "hi": 0.95}, (0.93, 0.97)) == "undecided"
+    assert common.band_status({"lo": 0.94, "hi": 0.96}, (0.93, 0.97)) == "met"
+    assert common.band_status({"lo": 0.971, "hi": 0.99}, (0.93, 0.97)) == "failed"
+    assert common.band_status({"lo": 0.90, "hi": 0.929}, (0.93, 0.97)) == "failed"
+    assert common.band_status({"lo": 0.92, "hi": 0.95}, (0.93, 0.97)) == "undecided"
+    assert common.band_status({"lo": 0.92, "hi": 0.98}, (0.93, 0.97)) == "undecided"
+    assert common.band_status({"lo": float("nan"), "hi": 0.95}, (0.93, 0.97)) == "undecided"
 
 
 def test_s1_statuses(examples):
@@ -232,7 +233,7 @@ def test_s3_matches_claim_code_and_checks_signs(examples):
     c6 = {**BOOT, "rows": {**DESIGN, "design": "randomized", "scorer": "window_question", "budget": 0.25}}
     res = S.s3(examples, c4, c6)
     assert [r["task"] for r in res["by_task"]] == ["a", "b"]
-    metrics, details, _ = claims._auroc_failure(examples[examples["task"] == "a"], None, c4)
+    metrics, details, _ = claim_metrics._auroc_failure(examples[examples["task"] == "a"], None, c4)
     assert res["by_task"][0]["C4"]["auc_diff"] == metrics["auc_diff"]
     assert res["by_task"][0]["C4"]["n_pos"] == details["n_pos"]
     assert res["check"] == "consistent" and res["check_tasks"] == ["a", "b"]
@@ -249,7 +250,8 @@ def test_s5_by_length(examples):
     assert [r["length"] for r in res["by_length"]] == [1000, 2000, 4000]
     assert [r["C1_coverage"]["estimate"] for r in res["by_length"]] == [1.0, 0.0, 0.0]
     sub = examples[examples["context_tokens"] == TOKENS[2000]]
-    assert res["by_length"][1]["C3_drop"]["estimate"] == claims._drop_vs_full(sub, None, c3)[0]["drop"]["estimate"]
+    drop = claim_metrics._drop_vs_full(sub, None, c3)[0]["drop"]["estimate"]
+    assert res["by_length"][1]["C3_drop"]["estimate"] == drop
 
 
 def test_evaluate_secondary_with_study2_predictions(examples):

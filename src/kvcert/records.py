@@ -1,15 +1,11 @@
 """Records: one Parquet shard per example (all its variants), merged per cell; provenance beside them.
 
-A shard is written steps first, examples last, each to a temp file renamed into place, so the presence of the
-examples file means the shard is complete. A rerun skips complete shards; a killed run leaves at most a temp file,
-which the next run removes. Merging is also temp + rename, so a finished examples.parquet is never half written.
+Writing, resuming and merging the shards: kvcert.shards.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import platform
 import subprocess
 from collections.abc import Iterable
@@ -207,66 +203,6 @@ def step_frame(run: str, example_id: str, results: Iterable[VariantResult]) -> p
         return pd.DataFrame(columns=STEP_COLUMNS)
     df = pd.concat(frames, ignore_index=True).assign(run=run, example_id=example_id)
     return df[STEP_COLUMNS]
-
-
-def atomic_parquet(df: pd.DataFrame, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    df.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def atomic_text(text: str, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-class ShardStore:
-    """The shards of one cell under <run_dir>/shards/."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = Path(run_dir)
-        self.shards = self.run_dir / "shards"
-
-    def open(self) -> ShardStore:
-        """Create the folders and drop temp files a killed run left behind."""
-        self.shards.mkdir(parents=True, exist_ok=True)
-        for tmp in self.run_dir.rglob("*.tmp"):
-            tmp.unlink()
-        return self
-
-    def _stem(self, index: int) -> str:
-        return f"{index:06d}"
-
-    def is_done(self, index: int) -> bool:
-        return (self.shards / f"{self._stem(index)}.examples.parquet").exists()
-
-    def write(self, index: int, examples: pd.DataFrame, steps: pd.DataFrame | None) -> None:
-        stem = self._stem(index)
-        if steps is not None:
-            atomic_parquet(steps, self.shards / f"{stem}.steps.parquet")
-        atomic_parquet(examples, self.shards / f"{stem}.examples.parquet")  # last: marks the shard complete
-
-    def merge(self, expected: int) -> tuple[pd.DataFrame, int]:
-        """Concatenate complete shards into examples.parquet / steps.parquet; returns (examples, n_shards)."""
-        ex_files = sorted(self.shards.glob("*.examples.parquet"))
-        examples = pd.concat([pd.read_parquet(f) for f in ex_files], ignore_index=True)
-        atomic_parquet(examples, self.run_dir / "examples.parquet")
-        step_files = [
-            f
-            for f in sorted(self.shards.glob("*.steps.parquet"))
-            if (self.shards / f.name.replace(".steps.", ".examples.")).exists()
-        ]
-        if step_files:
-            steps = pd.concat([pd.read_parquet(f) for f in step_files], ignore_index=True)
-            atomic_parquet(steps, self.run_dir / "steps.parquet")
-        if len(ex_files) == expected:
-            atomic_text(json.dumps({"shards": expected}), self.run_dir / "COMPLETE")
-        return examples, len(ex_files)
-
-    @property
-    def complete(self) -> bool:
-        return (self.run_dir / "COMPLETE").exists() and (self.run_dir / "examples.parquet").exists()
 
 
 def git_commit(root: Path) -> dict:

@@ -10,9 +10,10 @@ scorecards.
 
 `make reproduce` runs `run`, `publish --regenerated`, the comparison of the regenerated records with the published
 ones within the declared tolerances (kvcert.studies.regenerate full) and `analyze`, after the two lock checks;
-`make analyze` runs the last alone (no model, no raw steps: under a minute). With both studies analysed, `combine`
-writes the two-study scorecard results/scorecard.{json,md,html}; each study's own scorecard is in results/study1/
-and results/study2/.
+`make analyze` runs the last alone (no model, no raw steps: under a minute; kvcert.studies.analyze). With studies
+1 and 2 analysed, `combine` writes the combined scorecard results/scorecard.{json,md,html} (a column per study
+analysed: study1, study2, study3_smollm2, study3_gemma3); each study's own scorecard is in its results folder
+(results/study1/, results/study2/, results/study3/<model>/).
 
 The claims, their order and their experiments come from the registry (kvcert.analysis.claims.registry: the ids of
 preregistration/predictions.yaml, each with the conf/claim/*.yaml naming it). Claim experiments that state the same
@@ -26,7 +27,7 @@ Studies (STUDIES; `--study`, default study1; the Makefile passes `--study all`):
 - study2: preregistration/study2/predictions.yaml, conf/claim/study2/*.yaml (composed as +claim=study2/<name>, each
   file `# @package _global_`), out results/study2/, lock
   preregistration/study2/LOCK.json. Its C1-C7 and T1 are analysed by the same locked code as study 1's (the same
-  predictions schema); the secondary predictions S1-S5 and the two-study scorecard are kvcert.studies.
+  predictions schema); the secondary predictions S1-S5 and the combined scorecard are kvcert.studies.
 
 - study3_smollm2, study3_gemma3: study 3 (preregistration/study3/PLAN.md), one entry per model under one lock
   (preregistration/study3/LOCK.json): predictions_<model>.yaml, conf/claim/study3/<model>/*.yaml, out
@@ -43,21 +44,20 @@ every shard with its ETA, and complete / skipped-because-complete.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from kvcert.analysis.claims import ClaimResult, registry
+from kvcert.analysis.claims import registry
 from kvcert.config import result_name
 from kvcert.run import ROOT, config_dir, progress, run_cell
-from kvcert.studies.published import load_published, write_published
+from kvcert.studies.analyze import _c1_entry, _is_t1, analyze, combine
+from kvcert.studies.published import write_published
 
 CONF = config_dir()  # the checkout's conf/, or the copy in the installed wheel
 PREDICTIONS = ROOT / "preregistration" / "predictions.yaml"
@@ -131,8 +131,6 @@ for _model, _multipliers in (
         "multipliers": _multipliers,
         "publish_rows": STUDY3_C1_AND_S6C_ROWS,
     }
-# N each claim needs for its decision margin (PLAN.md section 4, from study 1's per-example SDs)
-STUDY2_POWER_TARGET_N = {"C1": 13, "C2": 119, "C3": 273, "C4": 249, "C5": 304, "C6": 237, "C7": 354}
 
 
 def settings(study: str = "study1", profile: str = "confirmatory") -> dict:
@@ -168,10 +166,6 @@ def compose_claim(name: str, overrides: list[str] | None = None) -> DictConfig:
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return compose("config", overrides=[f"+claim={name}", *(overrides or [])])
-
-
-def _is_t1(spec: dict) -> bool:
-    return spec.get("analysis") == "t1"
 
 
 # ------------------------------------------------------------------------------------------------------------ T1
@@ -223,12 +217,7 @@ def run_claims(profile: str = "confirmatory", only: list[str] | None = None, *, 
         progress(f"{cid}: done in {time.perf_counter() - started:.0f}s", log, echo=False)
 
 
-# ------------------------------------------------------------------------------------------------------- analyze
-def _c1_entry(claims: dict):
-    entries = [e for e in claims.values() if e.analysis == "coverage"]
-    if len(entries) != 1:
-        raise ValueError(f"expected one coverage claim in the predictions, found {len(entries)}")
-    return entries[0]
+# ------------------------------------------------------------------------------------------------------- publish
 
 
 def _relative(path: Path) -> Path:
@@ -292,176 +281,6 @@ def publish(profile: str = "confirmatory", *, study: str = "study1", into: Path 
     return out
 
 
-def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
-    """The study's claims from its published records (no model, no raw steps): tables, figures and its own
-    scorecard (<out>/scorecard.* for study 2, results/study1/ for study 1), with its own lock status; study 2
-    adds S1-S5 (kvcert.studies.secondary) to its scorecard and to tables/secondary.json."""
-    import yaml
-
-    from kvcert.analysis.scorecard import jsonable
-    from kvcert.prereg import verify
-    from kvcert.studies import published
-
-    st = settings(study, profile)
-    out = st["out"]
-    claims = registry(st["predictions"], st["claims"])
-    pub, steps = published_records(st["published"])
-    meta = pub["meta"]
-    c1 = _c1_entry(claims)
-    published.check_conformal_exact(steps, int(c1.spec.get("conformal_seed", 0)))
-    records = {cid: (pub["examples"], steps) for cid, entry in claims.items() if not _is_t1(entry.spec)}
-    t1_path = out / "tables" / "t1.json"
-    t1 = json.loads(t1_path.read_text()) if t1_path.exists() else None
-    predictions = {cid: entry.spec for cid, entry in claims.items()}
-    t1_evaluator = None
-    if study == "study2":
-        from kvcert.studies.t1 import evaluate_t1_study2 as t1_evaluator
-    card = analyze_records(
-        records,
-        t1,
-        predictions,
-        out,
-        verify(ROOT, study=st["lock"]),
-        profile=profile,
-        runs=[meta["run"]],
-        step_tables=False,
-        t1_evaluator=t1_evaluator,
-        scorecard_dir=st["scorecard"],
-    )
-    if study == "study2" or study.startswith("study3"):
-        from kvcert.studies.secondary import evaluate_secondary
-
-        document = yaml.safe_load(Path(st["predictions"]).read_text())
-        secondary = evaluate_secondary(pub["examples"], pub["cells"], document)
-        for sid, result in secondary.items():  # the pre-registered wording beside each result
-            entry = (document.get("secondary") or {}).get(sid) or {}
-            result.setdefault("prediction", " ".join(str(entry.get(k, "")) for k in ("claim", "prediction")).strip())
-            if result.get("status") is None:  # S3's pre-declared check; S5 is descriptive
-                result["status"] = f"check: {result['check']}" if result.get("check") else "descriptive"
-        if study.startswith("study3"):  # S6 and C5 (descriptive), by the locked claim code on the same records
-            from kvcert.studies.study3 import evaluate_study3_secondary
-
-            secondary |= evaluate_study3_secondary(pub["examples"], steps, document)
-        (out / "tables" / "secondary.json").write_text(json.dumps(jsonable(secondary), indent=2) + "\n")
-        card["secondary"] = secondary
-    card["n_examples"] = int(pub["examples"]["example_id"].nunique())
-    return card
-
-
-@functools.lru_cache(maxsize=2)  # the last two: study 3's models, which the model-dependence table reads again
-def published_records(published_dir: Path) -> tuple[dict, pd.DataFrame]:
-    """A study's published records and the synthetic C1 steps built from them (kvcert.studies.published), loaded
-    once per process: `analyze` and the model-dependence table read the same ones. Callers must not modify them."""
-    from kvcert.studies import published
-
-    pub = load_published(published_dir)
-    return pub, published.synthetic_steps(pub["cells"], pub["exceedances"])
-
-
-def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
-    """The two-study scorecard (kvcert.studies.scorecard) -> results/scorecard.{json,md,html} (the profile's
-    study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
-    from kvcert.studies.scorecard import combined_scorecard, write_combined
-
-    power = {cid: {"target_n": n} for cid, n in STUDY2_POWER_TARGET_N.items()} if "study2" in cards else None
-    secondary = cards.get("study2", {}).get("secondary")
-    study3 = [sid for sid in cards if sid.startswith("study3")]
-    dependence = None
-    if len(study3) == 2:  # both models analysed: the model-dependence table (PLAN.md section 6)
-        dependence = model_dependence_rows(profile).to_dict("records")
-    card = combined_scorecard(
-        cards,
-        secondary=secondary,
-        power=power,
-        study_secondary={sid: cards[sid]["secondary"] for sid in study3 if cards[sid].get("secondary")},
-        model_dependence=dependence,
-    )
-    out = settings("study1", profile)["out"]
-    figures = [Path(f) for c in cards.values() for f in c.get("figures", [])]
-    paths = write_combined(card, out, figures)
-    print(f"[kvcert] two-study scorecard: {paths['md']}")
-    return card
-
-
-def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
-    """Study 3's model-dependence table (kvcert.studies.study3.study3_report) from both models' published records
-    and claim results -> results/study3/model_dependence.{csv,md}."""
-    import yaml
-
-    from kvcert.studies.study3 import study3_report
-
-    records, documents, cards = {}, {}, {}
-    for sid in ("study3_smollm2", "study3_gemma3"):
-        st = settings(sid, profile)
-        pub, steps = published_records(st["published"])  # as `analyze` loaded them a moment before
-        records[sid] = (pub["examples"], steps)
-        documents[sid] = yaml.safe_load(Path(st["predictions"]).read_text())
-        claims_dir = st["out"] / "tables"
-        cards[sid] = {
-            "claims": [json.loads(p.read_text()) for p in sorted(claims_dir.glob("claim_c*.json"))],
-        }
-    # beside the models' folders (results/study3/ for the confirmatory profile), not under a fixed path: a study
-    # redirected elsewhere (a test's temporary tree, a user's results folder) keeps its table in its own tree
-    out = Path(STUDIES["study3_smollm2"]["out"]).parent / ("" if profile == "confirmatory" else profile)
-    return study3_report(records, documents, cards, out)
-
-
-def analyze_records(
-    records: dict[str, tuple[pd.DataFrame, pd.DataFrame | None]],
-    t1: dict | None,
-    predictions: dict[str, dict],
-    out: Path,
-    lock_status: dict,
-    *,
-    profile: str,
-    runs: list[str],
-    step_tables: bool = True,
-    t1_evaluator: Callable | None = None,
-    scorecard_dir: Path | None = None,
-) -> dict:
-    """Claims, tables, figures and the scorecard from records already loaded (claim id -> (examples, steps)),
-    the T1 result and the lock status: everything `analyze` writes, with no config or file lookup. The claims
-    and their order are those of `predictions` (predictions.yaml's claims mapping).
-
-    step_tables=False leaves the descriptive step tables (coverage_by_*.csv, calibration_by_design.csv: every
-    certified variant) as they are: published records hold the C1 cells only. t1_evaluator replaces study 1's
-    evaluate_t1 (study 2 adds a check); scorecard_dir (default `out`) is where scorecard.{json,md,html} go."""
-    from kvcert.analysis.claims import evaluate_claim, evaluate_t1
-    from kvcert.analysis.figures import make_figures
-    from kvcert.analysis.scorecard import build_scorecard, jsonable, write_scorecard
-    from kvcert.analysis.tables import write_tables
-
-    out = Path(out)
-    results: dict[str, ClaimResult] = {}
-    main_records = None
-    for cid, spec in predictions.items():
-        if _is_t1(spec):
-            if t1 is not None:
-                results[cid] = (t1_evaluator or evaluate_t1)(t1, spec)
-            continue
-        examples, steps = records[cid]
-        main_records = main_records or (examples, steps)
-        started = time.perf_counter()
-        r = results[cid] = evaluate_claim(cid, examples, steps if spec["analysis"] == "coverage" else None, spec)
-        print(
-            f"[kvcert] {cid}: {r.verdict:12s} observed {r.observed} CI {r.ci} "
-            f"(paper: {r.paper_verdict}) [{time.perf_counter() - started:.1f}s]"
-        )
-    figures = make_figures(results, main_records[0] if main_records else None, t1, out / "figures")
-    if main_records:
-        write_tables(main_records[0], main_records[1] if step_tables else None, out, n_boot=500)
-    for cid, r in results.items():
-        (out / "tables").mkdir(parents=True, exist_ok=True)
-        (out / "tables" / f"claim_{cid.lower()}.json").write_text(json.dumps(jsonable(r.as_dict()), indent=2))
-    card = build_scorecard(list(results.values()), lock_status, ids=list(predictions))
-    card["profile"] = profile
-    card["runs"] = runs
-    paths = write_scorecard(card, scorecard_dir or out, [Path(f) for f in figures])
-    card["figures"] = [str(f) for f in figures]
-    print(f"[kvcert] scorecard: {paths['md']}")
-    return card
-
-
 # --------------------------------------------------------------------------------------------------------- pilot
 def pilot() -> None:
     """The pilot cell (disjoint seeds, every candidate design setting as a variant); writes results/pilot/summary."""
@@ -487,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     studies = list(STUDIES) if args.study == "all" else [args.study]
     from kvcert.config import ConfigError
-    from kvcert.hf.loading import ModelLoadError
+    from kvcert.hf.model_support import ModelLoadError
     from kvcert.tasks import TaskError
 
     try:

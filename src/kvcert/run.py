@@ -33,7 +33,8 @@ from kvcert.config import (
     validate,
 )
 from kvcert.hf import DecodeOptions, generate_variants, load_model
-from kvcert.records import ShardStore, atomic_text, example_frame, provenance, step_frame
+from kvcert.records import example_frame, provenance, step_frame
+from kvcert.shards import ShardError, ShardStore, atomic_text
 from kvcert.tasks import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,10 +109,25 @@ def progress(message: str, log: Path | None = None, *, echo: bool = True) -> Non
             f.flush()
 
 
+def _warn(message: str, log: Path | None = None) -> None:
+    """A one-line warning: printed to stderr as "[kvcert] <message>", and appended to `log` like a progress line."""
+    print(f"[kvcert] {message}", file=sys.stderr, flush=True)
+    progress(message, log, echo=False)
+
+
 def _duration(seconds: float) -> str:
     seconds = max(int(round(seconds)), 0)
     h, rest = divmod(seconds, 3600)
     return f"{h}h{rest // 60:02d}m{rest % 60:02d}s" if h else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _unreadable_yaml(text: str) -> bool:
+    """Empty or not YAML at all (a write cut short), as opposed to a config that states something else."""
+    try:
+        yaml.safe_load(text)
+    except yaml.YAMLError:
+        return True
+    return not text.strip()
 
 
 def same_records_config(saved: str, current: str) -> bool:
@@ -140,8 +156,15 @@ def run_cell(
     config_text = _record_config(cfg)
     saved = run_dir / "config.yaml"
     if saved.exists() and not same_records_config(saved.read_text(), config_text):
+        if _unreadable_yaml(saved.read_text()):
+            raise ConfigError(
+                f"{saved} is empty or not YAML (a write cut short?), so which config its records are of is unknown; "
+                "move it aside to resume into this folder, or set name=<new folder>"
+            )
         raise ConfigError(f"{run_dir} holds records of a different config; set name=<new folder> or remove it")
     store = ShardStore(run_dir)
+    for warning in store.check_merged():  # a complete folder whose merged records cannot be read is merged again
+        _warn(warning, log)
     if store.complete:
         progress(f"{run_dir.name}: complete, skipped")
         progress(f"{run_dir.name}: skipped: complete ({run_dir})", log, echo=False)
@@ -155,6 +178,8 @@ def run_cell(
         )
     examples = load_examples(cfg, tokenizer)
     store.open()  # nothing is written before the model and the examples exist
+    for warning in store.check(expect_steps=cfg.records.steps == "head"):  # unreadable shards: moved aside, redone
+        _warn(warning, log)
     atomic_text(config_text, saved)
     atomic_text(
         json.dumps(provenance(ROOT, {"seed": int(cfg.seed)}, _lock_hash()), indent=2), run_dir / "provenance.json"
@@ -227,7 +252,7 @@ def main(cfg: DictConfig) -> None:
 
     try:
         run_cell(cfg)
-    except (ConfigError, ModelLoadError, TaskError) as err:
+    except (ConfigError, ModelLoadError, TaskError, ShardError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
 

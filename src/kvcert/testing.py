@@ -2,7 +2,7 @@
 tiny configs of every architecture of the support matrix (docs/models.md) and a word-level tokenizer, so a test can
 write a model folder and load it the way a user does (``save_tiny_model``).
 
-``kvcert.hf`` re-exports ``tiny_random_model``; this module imports ``kvcert.hf.loading`` only inside functions.
+``kvcert.hf`` re-exports ``tiny_random_model``; this module imports ``kvcert.hf.model_support`` only inside functions.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, **overrides) -> tuple[
     for fast unit tests. ``arch`` is llama, qwen2 or mistral (``gemma3``: see :func:`tiny_gemma3_model`);
     ``overrides`` go into the config (plus ``attn_implementation``). The global torch RNG is left untouched. No
     tokenizer: returns (model, None)."""
-    from kvcert.hf.loading import ModelLoadError, _check_config
+    from kvcert.hf.model_support import ModelLoadError, _check_config
 
     if arch == "gemma3":
         return tiny_gemma3_model(seed, **overrides)
@@ -97,7 +97,7 @@ def tiny_gemma3_model(seed: int = 0, **overrides) -> tuple[PreTrainedModel, None
     q/k norm), so a reimplementation that skips the q/k norms or uses the wrong scaling disagrees visibly. It has
     sliding-window layers, so kvcert's eviction path refuses it until SUPPORTED_HYBRID lists gemma3_text; plain
     transformers generation (the reference) runs it."""
-    from kvcert.hf.loading import _check_config
+    from kvcert.hf.model_support import _check_config
 
     attn = overrides.pop("attn_implementation", "sdpa")
     config = tiny_gemma3_config(**overrides)

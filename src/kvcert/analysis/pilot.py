@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis.scorecard import round_frame
+from kvcert.analysis.tables import markdown_table
 
 
 def pilot_summary(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
@@ -29,22 +30,14 @@ def pilot_summary(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
     return g.join(cov, on="variant")
 
 
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def write_pilot_summary(table: pd.DataFrame, out: str | Path) -> dict[str, Path]:
-    """out/summary.csv and out/summary.md (a Markdown table when tabulate is installed, plain text otherwise), floats
-    rounded by round_frame."""
+    """out/summary.csv and out/summary.md (a Markdown table, kvcert.analysis.tables.markdown_table), floats rounded by
+    round_frame."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"csv": out / "summary.csv", "md": out / "summary.md"}
     table = round_frame(table)  # floats to 10 significant digits: the same bytes on any CPU
     table.to_csv(paths["csv"], index=False)
-    text = table.to_markdown(index=False, floatfmt=".3f") if _has_tabulate() else table.to_string(index=False)
+    text = markdown_table(table, floatfmt=".3f")
     paths["md"].write_text(text + "\n")
     return paths

@@ -1,4 +1,5 @@
-"""The descriptive tables beside the claims (CSV): accuracy vs budget, per-variant summary, coverage tables."""
+"""The descriptive tables beside the claims (CSV): accuracy vs budget, per-variant summary, coverage tables; and the one
+Markdown table renderer every report uses (markdown_table)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,14 @@ import pandas as pd
 from kvcert.analysis.accuracy import accuracy_vs_budget
 from kvcert.analysis.coverage import calibration_curve, coverage_table, steps_for
 from kvcert.analysis.scorecard import round_frame
+
+
+def markdown_table(df: pd.DataFrame, floatfmt: str = "g", *, parse_numbers: bool = True) -> str:
+    """The Markdown table of every report: pandas' DataFrame.to_markdown (tabulate), a GitHub pipe table without the
+    index, columns padded to their widest cell. Numbers are written with `floatfmt`; parse_numbers=False writes every
+    cell as given (a caller that formats its own cells passes strings, which tabulate would otherwise read back as
+    numbers and format again)."""
+    return df.to_markdown(index=False, tablefmt="github", floatfmt=floatfmt, disable_numparse=not parse_numbers)
 
 
 def write_tables(examples: pd.DataFrame, steps: pd.DataFrame | None, out: Path, n_boot: int) -> list[Path]:

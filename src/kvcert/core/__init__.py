@@ -3,20 +3,16 @@
 designs    -> which tokens a budget keeps, with their inclusion probabilities (Selection)
 scorers    -> importance scores per (layer, KV head, token)
 hajek      -> offset attention, the certificate variance and radius, the exact attention and error
-certificate -> tr(C^2) (exact and sketched), the tight (Satterthwaite) radius, per-cell tail diagnostics
+certificate -> tr(C^2) (exact), the tight (Satterthwaite) radius, per-cell tail diagnostics
+sketch     -> tr(C^2) through a fixed Gaussian sketch of the value space (the decode hot path)
 perturb    -> the non-identifiability construction
 """
 
 from kvcert.core.certificate import (
-    SketchedTail,
     certificate_stats,
     chi2_quantile,
     conservative_radius,
     effective_dimension,
-    make_sketch,
-    sketch_tail,
-    sketch_values,
-    sketched_trace_c2,
     tail_diagnostics,
     tight_radius,
     trace_c2_exact,
@@ -35,6 +31,7 @@ from kvcert.core.perturb import evicted_mask, perturb_values
 from kvcert.core.probabilities import inclusion_probabilities, poisson_sample
 from kvcert.core.scorers import key_norm_scores, random_scores, streaming_scores, window_scores
 from kvcert.core.selection import Selection, keep_count, split_head_tail
+from kvcert.core.sketch import SketchedTail, make_sketch, sketch_tail, sketch_values, sketched_trace_c2
 
 __all__ = [
     "DESIGNS",

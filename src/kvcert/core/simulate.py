@@ -10,9 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcert.core.certificate import make_sketch, sketch_tail, sketched_trace_c2, tail_diagnostics, trace_c2_exact
+from kvcert.core.certificate import tail_diagnostics, trace_c2_exact
 from kvcert.core.designs import get_design
 from kvcert.core.hajek import certificate_radius, exact_attention, gather_tokens, hajek_attention
+from kvcert.core.sketch import make_sketch, sketch_tail, sketched_trace_c2
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.core.simulate import FAILURE_REGIMES, monte_carlo, random_problem
 from kvcert.exploratory.certificate import (
     add_strata,
@@ -204,7 +205,7 @@ def threshold_grid(cells: pd.DataFrame, level: float = 0.95, radius: str = "tigh
 
 def _md(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
     cols = list(df.columns)
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines = []
     for _, r in df.iterrows():
         cells = [
             (str(int(v)) if float(v).is_integer() and abs(v) >= 1 else floatfmt.format(v))
@@ -212,8 +213,8 @@ def _md(df: pd.DataFrame, floatfmt: str = "{:.3f}") -> str:
             else ("" if isinstance(v, float) else str(v))
             for v in r
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        lines.append(cells)
+    return markdown_table(pd.DataFrame(lines, columns=cols), parse_numbers=False)
 
 
 def main(argv=None) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.exploratory.certificate import (
     add_strata,
     calibration_curve,
@@ -64,7 +65,7 @@ def prepare(examples: pd.DataFrame, steps: pd.DataFrame) -> pd.DataFrame:
 
 def _md(df: pd.DataFrame) -> str:
     cols = list(df.columns)
-    out = ["| " + " | ".join(map(str, cols)) + " |", "|" + "---|" * len(cols)]
+    out = []
     for _, r in df.iterrows():
         cells = []
         for v in r:
@@ -72,8 +73,8 @@ def _md(df: pd.DataFrame) -> str:
                 cells.append("" if np.isnan(v) else (str(int(v)) if float(v).is_integer() else f"{v:.3f}"))
             else:
                 cells.append(str(v))
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        out.append(cells)
+    return markdown_table(pd.DataFrame(out, columns=[str(c) for c in cols]), parse_numbers=False)
 
 
 def tables(cells: pd.DataFrame, level: float = 0.95) -> dict[str, pd.DataFrame]:

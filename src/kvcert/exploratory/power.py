@@ -30,6 +30,8 @@ from statistics import NormalDist
 import numpy as np
 import pandas as pd
 
+from kvcert.analysis.tables import markdown_table
+
 Z = NormalDist().inv_cdf(0.975)
 POINTS = 100.0
 LOCKED = {"tail_fraction": 0.75, "floor": 0.2, "score_power": 1.0}
@@ -563,7 +565,7 @@ def P_Z_HM(auc: float, n_pos: int, n_neg: int) -> float:  # noqa: N802 - a formu
 
 def _md(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
     cols = list(df.columns)
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    out = []
     for _, r in df.iterrows():
         cells = []
         for c in cols:
@@ -572,8 +574,8 @@ def _md(df: pd.DataFrame, floatfmt: str = ".3g") -> str:
                 cells.append("n/a" if not np.isfinite(v) else format(float(v), floatfmt))
             else:
                 cells.append(str(v))
-        out.append("| " + " | ".join(cells) + " |")
-    return "\n".join(out)
+        out.append(cells)
+    return markdown_table(pd.DataFrame(out, columns=cols), parse_numbers=False)
 
 
 def main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - run by hand on study-1 records

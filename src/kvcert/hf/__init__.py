@@ -5,10 +5,13 @@ serving (oracle off):      batch = compress_while_reading(model, prompt, policie
 results = batch.decode(options, tokenizer)   (generate_variants picks the mode from options.oracle)
 """
 
+from kvcert.hf.compressed_batch import CompressedBatch
 from kvcert.hf.decode import DEFAULT_MAX_NEW_TOKENS, DecodeOptions, VariantResult
 from kvcert.hf.generate import generate_variants
-from kvcert.hf.loading import ModelLoadError, load_model
-from kvcert.hf.prefill import CompressedBatch, Prefill, Prompt, compress_while_reading
+from kvcert.hf.loading import load_model
+from kvcert.hf.model_support import ModelLoadError
+from kvcert.hf.prefill import Prefill, Prompt
+from kvcert.hf.serving_prefill import compress_while_reading
 from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_random_model
 

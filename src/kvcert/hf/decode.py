@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from kvcert.defaults import DEFAULT_MAX_NEW_TOKENS
-from kvcert.hf.attention import CompressedState, device_index, forward_with_state
+from kvcert.hf.attention import forward_with_state
+from kvcert.hf.compressed_state import CompressedState, device_index
 from kvcert.policy import Policy
 
 STAT_NAMES = (

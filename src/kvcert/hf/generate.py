@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvcert.hf.decode import DecodeOptions, VariantResult
-from kvcert.hf.prefill import Prefill, compress_while_reading
+from kvcert.hf.prefill import Prefill
+from kvcert.hf.serving_prefill import compress_while_reading
 from kvcert.policy import Policy
 
 

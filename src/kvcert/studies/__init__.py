@@ -1,1 +1,1 @@
-"""Study-level code: published records, secondary analyses, the two-study scorecard."""
+"""Study-level code: published records, secondary analyses, the combined scorecard."""

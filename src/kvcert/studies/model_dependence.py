@@ -28,7 +28,7 @@ Reading, declared before any study-3 record is read:
                                        excludes nothing and reads the same).
 The verdicts are passed in (each model's evaluated ClaimResult.verdict); this module never re-decides a claim.
 
-Pure pandas / numpy over records (claim id -> (examples, steps), as kvcert.reproduce.analyze builds them from
+Pure pandas / numpy over records (claim id -> (examples, steps), as kvcert.studies.analyze.analyze builds them from
 published records): no model is loaded.
 """
 
@@ -46,7 +46,7 @@ from kvcert.analysis import accuracy, auroc, claims, coverage, intervention
 from kvcert.analysis.accuracy import POINTS
 from kvcert.analysis.bootstrap import Stat, bootstrap_weights, cluster_codes, percentile_ci, weighted_mean
 from kvcert.analysis.scorecard import round_frame
-from kvcert.records import atomic_text
+from kvcert.shards import atomic_text
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C6", "C7")
 # metrics reported per analysis; the spec's primary metric is put first
@@ -143,7 +143,7 @@ def _ratio_of_sums(numerator: np.ndarray, denominator: np.ndarray, n_boot: int, 
 
 
 def _coverage(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping, n_boot: int, seed: int) -> Resampled:
-    """C1, as claims._coverage: the pooled coverage over the certified cells of the selected rows."""
+    """C1, as claim_metrics._coverage: the pooled coverage over the certified cells of the selected rows."""
     ex = accuracy.select_rows(examples, spec.get("rows"))
     certified = ex[ex["has_certificate"].astype(bool)]
     if steps is None or len(steps) == 0:
@@ -151,7 +151,7 @@ def _coverage(examples: pd.DataFrame, steps: pd.DataFrame | None, spec: Mapping,
         kept = certified[certified["has_certificate"].astype(bool) & (certified["steps_total"] > 0)]
         grouped = kept.groupby("example_id")[["steps95", "steps_total"]].sum()
         return _ratio_of_sums(grouped["steps95"].to_numpy(), grouped["steps_total"].to_numpy(), n_boot, seed)
-    # coverage.pooled_coverage; claims._coverage also attaches budget / task, which neither adds nor drops a cell
+    # coverage.pooled_coverage; claim_metrics._coverage also attaches budget / task, which neither adds nor drops a cell
     cells, _ = coverage.certified_cells(coverage.steps_for(certified, steps))
     covered = coverage.standardized_error(cells) <= coverage.z_value(float(spec.get("level", 0.95)))
     num, den = coverage._cluster_counts(covered, cells["example_id"].to_numpy())  # the locked per-example counts

@@ -19,6 +19,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from kvcert.analysis import tables
 from kvcert.run import ROOT
 
 MODELS = ("smollm2", "gemma3_270m")  # conf/model options
@@ -31,7 +32,8 @@ PREREG = ROOT / "preregistration" / "study3"
 
 
 def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
-    """A pipe table (no optional dependency): numbers to `digits` significant digits, NaN / None as blank."""
+    """df as a Markdown table (kvcert.analysis.tables.markdown_table): numbers to `digits` significant digits, NaN /
+    None as blank."""
 
     def cell(x: object) -> str:
         if x is None or (isinstance(x, float) and x != x):
@@ -39,8 +41,7 @@ def markdown_table(df: pd.DataFrame, digits: int = 4) -> str:
         return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
 
     rows = [[cell(x) for x in r] for r in df.itertuples(index=False)]
-    head = [str(c) for c in df.columns]
-    return "\n".join(["| " + " | ".join(r) + " |" for r in [head, ["---"] * len(head), *rows]])
+    return tables.markdown_table(pd.DataFrame(rows, columns=[str(c) for c in df.columns]), parse_numbers=False)
 
 
 def cell_config(model: str, level_index: int):

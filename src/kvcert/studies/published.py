@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis import accuracy, coverage
-from kvcert.records import atomic_parquet, atomic_text
+from kvcert.shards import atomic_parquet, atomic_text
 
 CELL_KEYS = ["run", "example_id", "variant", "layer", "tail_bin", "pmax_bin", "ratio_bin", "trusted"]
 EXCEEDANCE_LEVEL = 0.95

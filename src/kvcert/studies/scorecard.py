@@ -1,4 +1,4 @@
-"""The two-study scorecard: each study's own scorecard (kvcert.analysis.scorecard.build_scorecard, unchanged) side by
+"""The combined scorecard: each study's own scorecard (kvcert.analysis.scorecard.build_scorecard, unchanged) side by
 side, one row per claim, with the replication label of study 2's PLAN.md section 6 and a footer that says what the
 table does not: no multiplicity correction, N against the power target, on which side of the paper each
 inconclusive point estimate lies, and what T1's interval is.

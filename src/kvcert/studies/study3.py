@@ -7,7 +7,7 @@
 - C5: evaluated the same way and reported as "undecidable at this scale" (PLAN.md section 5), never as a verdict.
 
 `study3_report` runs kvcert.studies.model_dependence over the two models' records and writes
-results/study3/model_dependence.{csv,md}; `kvcert.reproduce.combine` puts its rows into results/scorecard.*.
+results/study3/model_dependence.{csv,md}; `kvcert.studies.analyze.combine` puts its rows into results/scorecard.*.
 Pure pandas over records (no model).
 """
 

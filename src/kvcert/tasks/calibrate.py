@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notes", default="", help="free text copied into every row")
     args = parser.parse_args(argv)
 
-    from kvcert.hf.loading import EMBEDDED_MODELS, ModelLoadError, load_model
+    from kvcert.hf.loading import EMBEDDED_MODELS, load_model
+    from kvcert.hf.model_support import ModelLoadError
 
     torch.set_num_threads(args.threads)
     overrides = _parse_overrides(args.n_per_length)

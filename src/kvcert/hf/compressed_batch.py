@@ -1,0 +1,242 @@
+"""Every variant's compressed cache, ready to decode as one batch (`CompressedBatch`): the rows of a compression
+time cut into buckets of similar width, each bucket's buffers filled with the rows' kept tokens, the rows' first
+answer token, and the decode backend (`resolve_backend`). Built from a `Prefill` (kvcert.hf.prefill) or while the
+prompt is read (kvcert.hf.serving_prefill).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from kvcert.hf.attention import forward_with_state, kvcert_attention_on, layer_windows
+from kvcert.hf.compress import Compressed
+from kvcert.hf.compressed_state import Bucket, CompressedState
+from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
+from kvcert.hf.layer_buffers import LayerBuffers, layer_groups
+from kvcert.policy import Policy
+
+
+def _by_time(policies: list[Policy]) -> list[tuple[str, list[int]]]:
+    """The policies' rows per compression time: after the prompt, then after the context."""
+    out = [(when, [i for i, p in enumerate(policies) if p.compress_after == when]) for when in ("prompt", "context")]
+    return [(when, rows) for when, rows in out if rows]
+
+
+def _buckets(
+    model,
+    input_ids: list[int],
+    qs: int,
+    rows: list[int],
+    policies: list[Policy],
+    comps: dict[int, Compressed],
+    kept: Callable[[dict[int, Compressed], list[int]], KeptTokens],
+    options: DecodeOptions,
+    oracle,
+    first: torch.Tensor | None,
+) -> tuple[list[int], list[Bucket], list[Compressed], torch.Tensor]:
+    """One compression time's rows in buckets of similar width; `first`: the full prefill's last logits (after the
+    prompt), or None: the rows read the question, chat suffix and answer prefix through their caches now."""
+    n = len(input_ids)
+    region = n if first is not None else qs
+    certified = {i: policies[i].has_certificate for i in rows}
+    groups = _by_width(rows, comps, certified)
+    rows = [i for g in groups for i in g]
+    capacity = (n - region) + options.max_new_tokens + 1
+    windows = layer_windows(model)
+    buckets = [
+        _build_bucket([comps[i] for i in g], [policies[i] for i in g], kept(comps, g), windows, capacity, oracle)
+        for g in groups
+    ]
+    if first is not None:
+        first = first.expand(len(rows), -1)
+    else:
+        ids = torch.tensor([input_ids[qs:]], device=model.device).expand(len(rows), -1)
+        with kvcert_attention_on(model):
+            first = forward_with_state(model, ids, qs, CompressedState(buckets, "torch"))
+    return rows, buckets, [comps[i] for i in rows], first
+
+
+def _batch(model, policies: list[Policy], parts: list[tuple], backend: str, start: int) -> CompressedBatch:
+    return CompressedBatch(
+        model=model,
+        policies=list(policies),
+        rows=[i for p in parts for i in p[0]],
+        state=CompressedState([b for p in parts for b in p[1]], backend),
+        comps=[c for p in parts for c in p[2]],
+        first_logits=torch.cat([p[3] for p in parts]),
+        start=start,
+    )
+
+
+def _by_width(
+    rows: list[int], comps: dict[int, Compressed], certified: dict[int, bool], ratio: float = 0.6
+) -> list[list[int]]:
+    """Rows with and without a certificate apart (top-k and full-cache rows then cost no certificate work), each
+    sorted by kept width, widest first, and cut into buckets whose narrowest row keeps at least `ratio` of the widest
+    one's tokens (padding inside a bucket stays under 1 / ratio)."""
+    width = {i: max(ix.shape[-1] for ix in comps[i].indices) for i in rows}
+    groups: list[list[int]] = []
+    for i in sorted(rows, key=lambda r: (not certified[r], -width[r])):
+        if groups and certified[i] == certified[groups[-1][0]] and width[i] >= ratio * width[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@dataclass(kw_only=True)
+class CompressedBatch:
+    """Every variant's compressed cache, ready to decode as one batch."""
+
+    model: object
+    policies: list[Policy]
+    rows: list[int]  # the batch's rows as positions in the policy list
+    state: CompressedState
+    comps: list[Compressed]
+    first_logits: torch.Tensor  # (B, V): each row's first answer token
+    start: int  # position of the first generated token
+
+    @torch.no_grad()
+    def decode(
+        self,
+        options: DecodeOptions,
+        tokenizer=None,
+        *,
+        on_step: Callable[[int], None] | None = None,
+        watch: Callable[[int, list[int], list[float], dict[str, torch.Tensor]], bool] | None = None,
+    ) -> list[VariantResult]:
+        """Greedy-decode every variant; results in the order of the policies (`watch`: see `decode_batch`)."""
+        compressed_layers = tuple(b.compressed for b in self.state.layers)
+        with kvcert_attention_on(self.model):
+            rows = decode_batch(
+                self.model, tokenizer, self.state, self.first_logits, self.start, options, on_step=on_step, watch=watch
+            )
+        out: dict[int, VariantResult] = {}
+        for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(self.rows, self.comps, rows):
+            out[i] = VariantResult(
+                policy=self.policies[i],
+                tokens=tokens,
+                logprobs=logprobs,
+                n_answer=n_ans,
+                answer=answer,
+                kept_tokens=comp.kept_tokens,
+                stats=stats,
+                compressed_layers=compressed_layers,
+            )
+        return [out[i] for i in range(len(self.policies))]
+
+
+# ------------------------------------------------------------------------------------------------ the buffers
+def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """`core.hajek.gather_tokens` for one (Hkv, n, d) tensor and (Hkv, m) indices, as one row copy (index_select
+    over the flattened heads): the same values, several times faster than an elementwise gather."""
+    n_kv, n, d = x.shape
+    flat = (indices + torch.arange(n_kv, device=indices.device)[:, None] * n).reshape(-1)
+    return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
+
+
+KeptTokens = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (row, layer) -> kept keys, values (Hkv, m, d)
+
+
+def _build_bucket(
+    comps: list[Compressed],
+    policies: list[Policy],
+    kept: KeptTokens,
+    layer_windows: list[int | None],
+    capacity: int,
+    oracle: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None,
+) -> Bucket:
+    """Every variant's kept tokens in one set of buffers per layer, in the model's dtype (offsets and 1 - pi in
+    float32), keys stored (d, slots). The compressed layers share one width and one tail length (the widest row's),
+    so that they form one layer group. oracle(layers): the shared prefix (the prompt at compression time) of a layer
+    group; tokens read later are the variant's own, in one tensor per layer group."""
+    layers = []
+    n_layers = len(layer_windows)
+    compressed = [i for i, w in enumerate(layer_windows) if w is None]
+    shared_width = max((c.indices[i].shape[-1] for c in comps for i in compressed), default=0)
+    shared_slots = max((c.tail_slots[i] for c in comps for i in compressed), default=0)
+    for layer in range(n_layers):
+        window = layer_windows[layer]
+        b = len(comps)
+        width = shared_width if window is None else max(c.indices[layer].shape[-1] for c in comps)
+        slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
+        keys = values = offset = omp = None
+        for row, c in enumerate(comps):
+            k_row, v_row = kept(row, layer)  # (Hkv, m, d)
+            if keys is None:
+                n_kv, _, d = k_row.shape
+                device, dtype = k_row.device, k_row.dtype
+                values = torch.zeros(b, n_kv, width + capacity, d, dtype=dtype, device=device)
+                keys = values.new_zeros(b, n_kv, d, width + capacity)
+                offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
+                omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
+            m = k_row.shape[1]
+            keys[row, :, :, :m] = k_row.transpose(-1, -2)
+            values[row, :, :m] = v_row
+            offset[row, :, :m] = c.offset[layer]
+            omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
+        positions = None
+        if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
+            positions = torch.full((b, width + capacity), -1, dtype=torch.long, device=device)
+            for row, c in enumerate(comps):
+                positions[row, : c.indices[layer].shape[-1]] = c.indices[layer][0]
+        layers.append(
+            LayerBuffers(
+                keys=keys,
+                values=values,
+                offset=offset,
+                one_minus_pi=omp,
+                tail_slots=slots,
+                length=width,
+                compressed=window is None,
+                window=window,
+                positions=positions,
+                prefix=width,
+            )
+        )
+    oracle_parts = None
+    if oracle is not None:  # per layer group: the shared prefix and the rows' own parts, viewed by each layer's buffers
+        oracle_parts = []
+        for group in layer_groups(layers):
+            n_kv, d = layers[group[0]].values.shape[1], layers[group[0]].values.shape[-1]
+            own = [torch.zeros(len(group), len(comps), n_kv, capacity, d, device=device) for _ in range(2)]
+            for local, layer in enumerate(group):
+                layers[layer].oracle_keys, layers[layer].oracle_values = own[0][local], own[1][local]
+            oracle_parts.append((*oracle(group), *own))
+    return Bucket(layers, certificate_rows=[p.has_certificate for p in policies], oracle=oracle_parts)
+
+
+def resolve_backend(backend: str, like: torch.Tensor, config) -> str:
+    """ "torch" or "compiled" for DecodeOptions.backend: "auto" takes the compiled kernel for a float32 CPU cache
+    when it builds here and fits the model's heads, and says once which it took and why."""
+    if backend == "torch":
+        return "torch"
+    reason = None
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads)
+    if like.device.type != "cpu":
+        reason = f"the model runs on {like.device.type}; the kernel is a CPU kernel"
+    elif like.dtype != torch.float32:
+        reason = f"the cache is {str(like.dtype).removeprefix('torch.')}; the kernel reads a float32 cache"
+    elif head_dim > 256 or 2 * group > 16:
+        reason = f"head_dim {head_dim} / query group {group} outside the kernel's limits (256 / 8)"
+    else:
+        from kvcert.hf import kernel
+
+        reason = kernel.available()
+    if reason is not None and backend == "compiled":
+        raise ValueError(f"decode.backend=compiled cannot run: {reason}; set decode.backend=auto or torch")
+    chosen = "torch" if reason else "compiled"
+    _announce(chosen, reason)
+    return chosen
+
+
+@cache
+def _announce(chosen: str, reason: str | None) -> None:
+    why = f" ({reason})" if reason else ""
+    print(f"[kvcert] decode backend: {chosen}{why}", file=sys.stderr, flush=True)

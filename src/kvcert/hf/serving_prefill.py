@@ -1,0 +1,136 @@
+"""Serving mode's prompt read (no oracle): `compress_while_reading` reads the prompt once and compresses every layer
+for every policy as soon as that layer's attention ran (`_LayerCompressor`), so the full cache of all layers never
+exists; the result is the `CompressedBatch` (kvcert.hf.compressed_batch) that verification mode builds from a
+`Prefill` (kvcert.hf.prefill).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvcert.hf.attention import (
+    CompressingState,
+    attention_scale,
+    chunked_feed_forward,
+    forward_with_state,
+    kvcert_attention_on,
+    layer_windows,
+)
+from kvcert.hf.compress import Compressed, Plan, PolicyDraws, assemble_layers, select_layers
+from kvcert.hf.compressed_batch import (
+    CompressedBatch,
+    KeptTokens,
+    _batch,
+    _buckets,
+    _by_time,
+    _take_tokens,
+    resolve_backend,
+)
+from kvcert.hf.decode import DecodeOptions
+from kvcert.hf.prefill import _example_id, forced_tokens
+from kvcert.policy import Policy
+
+
+class _LayerCompressor:
+    """Serving mode's per-layer step for the policies of one compression time: called with each layer's query, keys
+    and values inside the prefill forward, it keeps every policy's kept tokens of that layer (copied out of the
+    layer's keys/values, which are then dropped) until the buckets are built."""
+
+    def __init__(self, policies, rows, *, region, qs, ctx_lo, n, shape, example_id, scale, windows, pool_kernel):
+        self.policies, self.rows = policies, rows
+        self.scale, self.windows, self.pool_kernel = scale, windows, pool_kernel
+        self.plans, self.draws, self.reads = {}, {}, {}
+        for i in rows:
+            policy = policies[i]
+            forced, read = forced_tokens(policy, n, qs, ctx_lo)
+            self.plans[i] = Plan.of(policy, region=region, forced=forced)
+            generator = torch.Generator().manual_seed(policy.generator_seed(example_id))
+            self.draws[i] = PolicyDraws.draw(policy, generator, (*shape, self.plans[i].lo))
+            self.reads[i] = read  # the window whose queries the scorer reads (None: keys only)
+        self.layers = {i: [None] * shape[0] for i in rows}  # LayerKept per layer
+        self.tokens = {i: [None] * shape[0] for i in rows}  # (kept keys, kept values) per layer
+
+    def __call__(self, layer: int, query, key, value) -> None:
+        scores: dict = {}  # this layer's scores per scorer, shared by its policies
+        for i in self.rows:
+            read = self.reads[i]
+            (kept,) = select_layers(
+                self.policies[i],
+                key,
+                layers=[layer],
+                plan=self.plans[i],
+                window_queries=None if read is None else query[:, :, read[0] : read[1]],
+                scale=self.scale,
+                draws=self.draws[i].take([layer]),
+                pool_kernel=self.pool_kernel,
+                layer_windows=self.windows,
+                score_cache=scores,
+            )
+            self.layers[i][layer] = kept
+            self.tokens[i][layer] = (_take_tokens(key[0], kept.indices), _take_tokens(value[0], kept.indices))
+
+    def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
+        def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            out, self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # copied once, then freed
+            return out
+
+        return take
+
+
+@torch.no_grad()
+def compress_while_reading(
+    model, prompt, policies: list[Policy], options: DecodeOptions, *, example_id: str | None = None
+) -> CompressedBatch:
+    """Serving mode (no oracle): what `Prefill.record(...).compress(...)` returns, without ever holding the full
+    cache of all layers. The prompt is read once, and inside that forward each layer, as soon as its attention ran, is
+    compressed for every policy (the policies compressed after the context, as kvpress does, take the layer's context
+    part, which causal attention computed exactly as a read of the context alone would): its kept tokens are copied
+    out, in the model's dtype, and its full keys/values are dropped before the next layer. The question is then read
+    through the context-time policies' compressed caches. The policies' random draws are made
+    up front for all layers (`PolicyDraws`), so each policy keeps what verification mode keeps for the same keys;
+    the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
+    chunk here (two there: context, then question)."""
+    ids_list = list(prompt.input_ids)
+    n, qs = len(ids_list), int(prompt.question_start)
+    if not 0 < qs < n:
+        raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
+    ctx_lo = qs - min(options.context_window, qs - 1)
+    cfg = model.config
+    n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    scale, windows = attention_scale(model), layer_windows(model)
+    example = example_id if example_id is not None else _example_id(prompt)
+    param = next(model.parameters())
+    backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), cfg)
+    ids = torch.tensor([ids_list], device=model.device)
+    readers = []  # (compression time, rows, prompt tokens it compresses, its per-layer compressor)
+    for when, rows in _by_time(policies):
+        region = n if when == "prompt" else qs
+        reader = _LayerCompressor(
+            policies,
+            rows,
+            region=region,
+            qs=qs,
+            ctx_lo=ctx_lo,
+            n=n,
+            shape=(n_layers, n_kv),
+            example_id=example,
+            scale=scale,
+            windows=windows,
+            pool_kernel=options.pool_kernel,
+        )
+        readers.append((when, rows, region, reader))
+
+    def on_layer(layer: int, query, key, value) -> None:
+        # causal attention: the context part of a longer read is what a read of the context alone computes
+        for _, _, region, reader in readers:
+            reader(layer, query[:, :, :region], key[:, :, :region], value[:, :, :region])
+
+    end = max(region for _, _, region, _ in readers)
+    with kvcert_attention_on(model), chunked_feed_forward(model):
+        logits = forward_with_state(model, ids[:, :end], 0, CompressingState(on_layer))
+    parts = []
+    for when, rows, _, reader in readers:
+        comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
+        first = logits if when == "prompt" else None
+        parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
+    return _batch(model, policies, parts, backend, n)
