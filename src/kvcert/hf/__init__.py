@@ -11,7 +11,7 @@ from kvcert.hf.generate import generate_variants
 from kvcert.hf.loading import load_model
 from kvcert.hf.model_support import ModelLoadError
 from kvcert.hf.prefill import Prefill, Prompt
-from kvcert.hf.serving_prefill import compress_while_reading
+from kvcert.hf.serving_prefill import compress_while_reading, probe_prompt
 from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_random_model
 
@@ -26,6 +26,7 @@ __all__ = [
     "Prompt",
     "VariantResult",
     "compress_while_reading",
+    "probe_prompt",
     "generate_variants",
     "load_model",
     "tiny_random_model",

@@ -100,6 +100,7 @@ class CompressedBatch:
     comps: list[Compressed]
     first_logits: torch.Tensor  # (B, V): each row's first answer token
     start: int  # position of the first generated token
+    probes: dict | None = None  # policy index -> per-layer kvcert.core.probe.ProbeResult (compress_while_reading)
 
     @torch.no_grad()
     def decode(

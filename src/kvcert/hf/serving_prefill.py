@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcert.core.probe import ProbeResult, window_probe
 from kvcert.hf.attention import (
     CompressingState,
     attention_scale,
@@ -27,8 +28,11 @@ from kvcert.hf.compressed_batch import (
     resolve_backend,
 )
 from kvcert.hf.decode import DecodeOptions
+from kvcert.hf.layer_buffers import value_sketch
 from kvcert.hf.prefill import _example_id, forced_tokens
 from kvcert.policy import Policy
+
+PROBE_QUERIES = 32  # the probe's queries when a policy's scorer reads no window: the region's last tokens
 
 
 class _LayerCompressor:
@@ -36,8 +40,26 @@ class _LayerCompressor:
     and values inside the prefill forward, it keeps every policy's kept tokens of that layer (copied out of the
     layer's keys/values, which are then dropped) until the buckets are built."""
 
-    def __init__(self, policies, rows, *, region, qs, ctx_lo, n, shape, example_id, scale, windows, pool_kernel):
-        self.policies, self.rows = policies, rows
+    def __init__(
+        self,
+        policies,
+        rows,
+        *,
+        region,
+        qs,
+        ctx_lo,
+        n,
+        shape,
+        example_id,
+        scale,
+        windows,
+        pool_kernel,
+        probe=False,
+        keep=True,
+    ):
+        self.keep = keep  # False: a probe-only read keeps no tokens
+        self.policies, self.rows, self.region = policies, rows, region
+        self.probes = {i: [None] * shape[0] for i in rows} if probe else None  # ProbeResult per compressed layer
         self.scale, self.windows, self.pool_kernel = scale, windows, pool_kernel
         self.plans, self.draws, self.reads = {}, {}, {}
         for i in rows:
@@ -66,8 +88,29 @@ class _LayerCompressor:
                 layer_windows=self.windows,
                 score_cache=scores,
             )
-            self.layers[i][layer] = kept
-            self.tokens[i][layer] = (_take_tokens(key[0], kept.indices), _take_tokens(value[0], kept.indices))
+            if self.keep:
+                self.layers[i][layer] = kept
+                self.tokens[i][layer] = (_take_tokens(key[0], kept.indices), _take_tokens(value[0], kept.indices))
+            if self.probes is not None and kept.drawn is not None and not self.policies[i].is_full:
+                self.probes[i][layer] = self._probe(layer, read, query, key, value, kept)
+
+    def _probe(self, layer: int, read, query, key, value, kept) -> ProbeResult:
+        """The layer's exact error for the window's queries (kvcert.core.probe), in float32."""
+        lo, hi = read if read is not None else (max(0, self.region - PROBE_QUERIES), self.region)
+        f32 = torch.float32
+        return window_probe(
+            query[0, :, lo:hi].to(f32),
+            key[0].to(f32),
+            value[0].to(f32),
+            kept.indices,
+            kept.offset.to(f32),
+            kept.one_minus_pi.to(f32),
+            kept.tail_slots,
+            scale=self.scale,
+            positions=torch.arange(lo, hi, device=key.device),
+            window=self.windows[layer],
+            sketch=value_sketch(key.shape[-1], key.device),
+        )
 
     def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
         def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +122,13 @@ class _LayerCompressor:
 
 @torch.no_grad()
 def compress_while_reading(
-    model, prompt, policies: list[Policy], options: DecodeOptions, *, example_id: str | None = None
+    model,
+    prompt,
+    policies: list[Policy],
+    options: DecodeOptions,
+    *,
+    example_id: str | None = None,
+    probe: bool = False,
 ) -> CompressedBatch:
     """Serving mode (no oracle): what `Prefill.record(...).compress(...)` returns, without ever holding the full
     cache of all layers. The prompt is read once, and inside that forward each layer, as soon as its attention ran, is
@@ -89,9 +138,30 @@ def compress_while_reading(
     through the context-time policies' compressed caches. The policies' random draws are made
     up front for all layers (`PolicyDraws`), so each policy keeps what verification mode keeps for the same keys;
     the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
-    chunk here (two there: context, then question)."""
+    chunk here (two there: context, then question). probe: also measure each compressed layer's exact error for the
+    observation window's queries while the layer still holds its full keys and values (kvcert.core.probe):
+    `CompressedBatch.probes[i]` is policy i's list of ProbeResult per layer (None on layers not compressed)."""
     ids_list = list(prompt.input_ids)
     n, qs = len(ids_list), int(prompt.question_start)
+    param = next(model.parameters())
+    backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), model.config)
+    ids = torch.tensor([ids_list], device=model.device)
+    readers = _readers(model, prompt, policies, options, example_id, probe=probe, keep=True)
+    logits = _read(model, ids, readers)
+    parts = []
+    for when, rows, _, reader in readers:
+        comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
+        first = logits if when == "prompt" else None
+        parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
+    batch = _batch(model, policies, parts, backend, n)
+    if probe:
+        batch.probes = {i: r.probes[i] for _, rows, _, r in readers for i in rows}
+    return batch
+
+
+def _readers(model, prompt, policies: list[Policy], options: DecodeOptions, example_id, *, probe: bool, keep: bool):
+    """(compression time, rows, prompt tokens it compresses, its per-layer compressor) per compression time."""
+    n, qs = len(prompt.input_ids), int(prompt.question_start)
     if not 0 < qs < n:
         raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
     ctx_lo = qs - min(options.context_window, qs - 1)
@@ -99,9 +169,6 @@ def compress_while_reading(
     n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     scale, windows = attention_scale(model), layer_windows(model)
     example = example_id if example_id is not None else _example_id(prompt)
-    param = next(model.parameters())
-    backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), cfg)
-    ids = torch.tensor([ids_list], device=model.device)
     readers = []  # (compression time, rows, prompt tokens it compresses, its per-layer compressor)
     for when, rows in _by_time(policies):
         region = n if when == "prompt" else qs
@@ -117,8 +184,15 @@ def compress_while_reading(
             scale=scale,
             windows=windows,
             pool_kernel=options.pool_kernel,
+            probe=probe,
+            keep=keep,
         )
         readers.append((when, rows, region, reader))
+    return readers
+
+
+def _read(model, ids: torch.Tensor, readers) -> torch.Tensor:
+    """Read the prompt once, every layer handed to every reader as soon as its attention ran; the logits."""
 
     def on_layer(layer: int, query, key, value) -> None:
         # causal attention: the context part of a longer read is what a read of the context alone computes
@@ -127,10 +201,18 @@ def compress_while_reading(
 
     end = max(region for _, _, region, _ in readers)
     with kvcert_attention_on(model), chunked_feed_forward(model):
-        logits = forward_with_state(model, ids[:, :end], 0, CompressingState(on_layer))
-    parts = []
-    for when, rows, _, reader in readers:
-        comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
-        first = logits if when == "prompt" else None
-        parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
-    return _batch(model, policies, parts, backend, n)
+        return forward_with_state(model, ids[:, :end], 0, CompressingState(on_layer))
+
+
+@torch.no_grad()
+def probe_prompt(
+    model, prompt, policies: list[Policy], options: DecodeOptions, *, example_id: str | None = None
+) -> list[list[ProbeResult | None]]:
+    """A probe-only read: each policy's per-layer ProbeResult (None on layers not compressed), keeping no tokens
+    and building no cache (the budget-from-a-tolerance choice reads the prompt once for every candidate budget).
+    The draws and kept sets are those `compress_while_reading` makes for the same policies and example id."""
+    ids = torch.tensor([list(prompt.input_ids)], device=model.device)
+    readers = _readers(model, prompt, policies, options, example_id, probe=True, keep=False)
+    _read(model, ids, readers)
+    found = {i: r.probes[i] for _, rows, _, r in readers for i in rows}
+    return [found[i] for i in range(len(policies))]
