@@ -146,6 +146,42 @@ def test_answer_scope_escalation_restarts_the_answer_as_full_cache_greedy(tiny_s
         Escalation(threshold=1.0, scope="sentence")
 
 
+def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_smol):
+    """tolerance=t: the probe errors reported per rung are the probes compress_while_reading measures for each rung
+    on its own; the chosen budget is the smallest within t, and the answer is generate's at that budget; a tolerance
+    no rung meets takes the full cache (plain greedy); a probe signal escalates before the first token."""
+    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
+    from kvcert.serve.probe import probe_error
+
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7005)
+    ids, qs, _ = build_prompt(tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto")
+    prompt = Prompt(input_ids=ids, question_start=qs, example_id="kvcert-generate-0")
+    errors = {}
+    for b in (0.125, 0.25, 0.5):
+        batch = compress_while_reading(model, prompt, [default_policy(b)], DecodeOptions(oracle=False), probe=True)
+        errors[b] = probe_error(batch.probes[0])
+    assert all(0 < e < 10 for e in errors.values())
+    middle = sorted(errors.values())[1]
+    kw = dict(context=ex.context, question=ex.question, calibration=None, model_name="tiny-tol", max_new_tokens=6)
+    with no_eos(model):
+        out = generate(model, tok, tolerance=middle, **kw)
+        expected = min(b for b, e in errors.items() if e <= middle)
+        assert out.budget_choice.chosen == expected and out.policy.budget == expected
+        assert out.budget_choice.errors == {f"{b:g}": pytest.approx(e, rel=1e-6) for b, e in errors.items()}
+        assert out.budget_choice.extra_prefill_tokens == len(ids)
+        same = generate(model, tok, budget=expected, **kw)
+        assert out.tokens == same.tokens and out.probe.error == pytest.approx(errors[expected], rel=1e-6)
+        strict = generate(model, tok, tolerance=min(errors.values()) / 2, **kw)
+        early = generate(model, tok, budget=0.25, escalate=Escalation(signal="probe", threshold=0.0, scope="answer"),
+                         **kw)  # fmt: skip
+    ref, _ = hf_greedy(model, ids, 6)
+    assert strict.budget_choice.chosen == 1.0 and strict.tokens == ref and strict.probe is None
+    assert early.tokens == ref and early.escalations[0].discarded == 0 and "probe error" in early.escalations[0].reason
+    with pytest.raises(ValueError, match="tolerance"):
+        generate(model, tok, tolerance=-1.0, **kw)
+
+
 def test_the_full_cache_needs_no_calibration_and_holds_exactly_the_full_cache(tiny_smol):
     """policy=FULL: no "no calibration" warning, every certificate exactly 0 and every token trusted, and kv_bytes
     equals full_kv_bytes, counted independently here from the model's shape (every layer: prompt + max_new_tokens

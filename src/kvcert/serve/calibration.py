@@ -51,6 +51,10 @@ class Calibration:
     reduction: str = "max"
     level: float = LEVEL
     thresholds: dict[str, float] = field(default_factory=dict)  # target escalation rate -> certificate threshold
+    # the answer-level signals beyond the certificate: signal -> {rate: threshold}; and the logistic models of a
+    # cache-induced failure: name ("probe", "combined") -> {"features", "mean", "scale", "coef", "intercept"}
+    signal_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
+    models: dict[str, dict] = field(default_factory=dict)
     data: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     format: str = FORMAT
@@ -93,6 +97,39 @@ class Calibration:
 
     def multiplier_tensor(self) -> torch.Tensor:
         return torch.tensor([math.nan if m is None else m for m in self.multipliers], dtype=torch.float64)
+
+    def signal_threshold(self, signal: str, rate: float) -> float:
+        """The threshold of an answer-level signal ("certificate", "probe", "combined") that escalates a share
+        `rate` of answers (the nearest fitted rate)."""
+        if signal == "certificate":
+            return self.threshold(rate)
+        table = self.signal_thresholds.get(signal)
+        if not table:
+            raise CalibrationError(f"this calibration file has no {signal} thresholds: rerun `kvcert calibrate`")
+        nearest = min(table, key=lambda r: abs(float(r) - rate))
+        return float(table[nearest])
+
+    def _risk(self, name: str, values: dict[str, float]) -> float | None:
+        model = self.models.get(name)
+        if not model:
+            return None
+        x = [values[f] for f in model["features"]]
+        if not all(math.isfinite(v) for v in x):
+            return None
+        z = model["intercept"] + sum(
+            c * (v - m) / s for c, v, m, s in zip(model["coef"], x, model["mean"], model["scale"])
+        )
+        return 1.0 / (1.0 + math.exp(-z)) if z > -700 else 0.0
+
+    def probe_risk(self, error: float, budget: float) -> float | None:
+        """P(cache-induced failure) from the prefill probe's error and the budget (None without a probe model)."""
+        return self._risk("probe", {"probe_error": error, "budget": budget})
+
+    def combined_risk(self, certificate: float, logprob: float, probe_error: float, budget: float) -> float | None:
+        """P(cache-induced failure) from the answer's largest certificate, its lowest log-probability, the probe
+        error and the budget: the combined signal (None without a combined model)."""
+        values = {"certificate": certificate, "logprob": logprob, "probe_error": probe_error, "budget": budget}
+        return self._risk("combined", values)
 
     def threshold(self, rate: float) -> float:
         """The certificate threshold that escalates a share `rate` of answers (the nearest fitted rate)."""

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from kvcert.policy import Policy
+from kvcert.policy import FULL, Policy
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
-from kvcert.serve.stream import SCOPES, SIGNALS, Escalated, Escalation, Token, _escalate_to, _Stream
+from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, Probe, choose_budget, probe_error, summarize
+from kvcert.serve.stream import CALIBRATED_SIGNALS, SCOPES, SIGNALS, Escalated, Escalation, Token, _escalate_to, _Stream
 
 __all__ = ["SCOPES", "SIGNALS", "Escalated", "Escalation", "Generation", "Token", "generate"]
 
@@ -55,6 +56,8 @@ class Generation:
     calibration: str | None  # what calibrated the certificates ("model: file"), None when uncalibrated
     reduction: str
     stopped: str  # "eos", "stop string", "max_new_tokens"
+    probe: Probe | None = None  # the prefill probe of the cache the answer started from (kvcert.serve.probe)
+    budget_choice: BudgetChoice | None = None  # with tolerance=: the ladder's probe errors and the budget chosen
 
     @property
     def tokens(self) -> list[int]:
@@ -83,6 +86,10 @@ class Generation:
             f" (at token {', '.join(str(e.token) for e in self.escalations)})" if self.escalations else ""
         )
         mem = f"KV {self.kv_bytes / 2**20:.1f} MiB vs full {self.full_kv_bytes / 2**20:.1f} MiB"
+        if self.probe is not None:
+            mem += f", prefill probe error {self.probe.error:.3g}"
+        if self.budget_choice is not None:
+            mem += f" (budget {self.budget_choice.chosen:g} chosen for tolerance {self.budget_choice.tolerance:g})"
         return (
             f"certificate max {worst} ({self.reduction}, relative radius at 0.95), {trust}, {esc}, {mem} "
             f"[{self.policy.scorer} x {self.policy.design} @ {self.policy.budget:g}]"
@@ -208,6 +215,9 @@ def generate(
     prompt_format: str | None = None,
     model_name: str | None = None,
     seed: int = 0,
+    probe: bool = True,
+    tolerance: float | None = None,
+    ladder: tuple[float, ...] = DEFAULT_LADDER,
 ) -> Generation:
     """Greedy generation from a compressed cache with a per-token certificate (see the module docstring).
 
@@ -215,7 +225,9 @@ def generate(
     file of a packaged model), a path, a Calibration, or None; escalate: an Escalation or None; on_token(token) is
     called for each token as it is produced (streaming), and with the Escalated event when an answer-scope
     escalation restarts the answer (the tokens streamed before it are void); prompt_format: chat / plain / auto
-    (default: the packaged model's, else auto); seed: the design's random draws."""
+    (default: the packaged model's, else auto); seed: the design's random draws; probe: measure the prefill probe
+    (`Generation.probe`); tolerance: choose the budget from `ladder` by the probe (kvcert.serve.probe; `budget` is
+    then ignored and the chosen budget reported in `Generation.budget_choice`)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
 
@@ -240,19 +252,29 @@ def generate(
             f"{window}: shorten the context or lower max_new_tokens"
         )
     n_layers = int(model.config.num_hidden_layers)
+    example_id = f"kvcert-generate-{seed}"
+    choice = None
+    if tolerance is not None:
+        choice = _choose_budget(model, Prompt(input_ids=ids, question_start=qs, example_id=example_id), policy,
+                                tolerance, ladder)  # fmt: skip
+        policy = FULL if choice.chosen >= 1.0 else Policy(**{**asdict(policy), "budget": choice.chosen})
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy)
     reduction = cal.reduction if cal is not None else "max"
     threshold = None
     if escalate is not None:
         threshold = escalate.threshold
-        if threshold is None and cal is not None and escalate.signal == "certificate":
-            threshold = cal.threshold(escalate.rate)
+        if threshold is None and cal is not None and escalate.signal in CALIBRATED_SIGNALS:
+            threshold = cal.signal_threshold(escalate.signal, escalate.rate)
+        if escalate.signal == "combined" and (cal is None or cal.combined_risk(0.0, 0.0, 0.0, 0.5) is None):
+            raise CalibrationError(
+                "the combined signal needs a calibration file with a combined model: rerun `kvcert calibrate`"
+            )
         if threshold is None and not escalate.on_untrusted:
             raise CalibrationError(
                 "escalate= needs a threshold: pass Escalation(threshold=...) or a calibration for this model"
             )
     stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
-    current, kv_held, stopped = policy, 0, "max_new_tokens"
+    current, kv_held, stopped, probe_result = policy, 0, "max_new_tokens", None
     why = stream.random_restart(current)
     if why is not None:  # drawn before anything is decoded: the answer goes straight to the larger budget
         current = _escalate_to(stream, escalate, current, why, kept=0, reread=0)
@@ -264,9 +286,17 @@ def generate(
             oracle=False,
             certificate=not current.is_full,
         )
-        prompt = Prompt(input_ids=ids + generated, question_start=qs, example_id=f"kvcert-generate-{seed}")
-        batch = compress_while_reading(model, prompt, [current], opts)
+        prompt = Prompt(input_ids=ids + generated, question_start=qs, example_id=example_id)
+        measure = (probe or (escalate is not None and escalate.signal in ("probe", "combined"))) and not current.is_full
+        batch = compress_while_reading(model, prompt, [current], opts, probe=measure)
         kv_held = max(kv_held, kv_bytes(batch))
+        stream.probe_error = math.nan
+        if measure:
+            found = summarize(batch.probes[0], current.budget, certified=current.has_certificate,
+                              multipliers=stream.multipliers, reduction=reduction,
+                              risk_model=cal.probe_risk if cal is not None else None)  # fmt: skip
+            stream.probe_error = found.error
+            probe_result = probe_result or found
         trigger = stream.segment(batch, opts, current)
         if trigger is None:
             break
@@ -290,4 +320,32 @@ def generate(
         calibration=cal_label,
         reduction=reduction,
         stopped=stopped,
+        probe=probe_result if probe else None,
+        budget_choice=choice,
+    )
+
+
+def _choose_budget(model, prompt, policy: Policy, tolerance: float, ladder) -> BudgetChoice:
+    """One probe-only read for every rung of the ladder below the full cache; the smallest rung within tolerance."""
+    from kvcert.hf import DecodeOptions, probe_prompt
+
+    if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+        raise ValueError(f"tolerance must be a positive relative attention error (e.g. 0.1), got {tolerance!r}")
+    rungs = sorted({float(b) for b in ladder})
+    if not rungs or any(not 0.0 < b <= 1.0 for b in rungs):
+        raise ValueError(f"the ladder's budgets must lie in (0, 1], got {list(ladder)}")
+    if policy.is_full:
+        raise ValueError("tolerance= chooses a budget for a compressing policy; the full cache has none to choose")
+    below = [b for b in rungs if b < 1.0]
+    candidates = [Policy(**{**asdict(policy), "budget": b}) for b in below]
+    results = probe_prompt(model, prompt, candidates, DecodeOptions(max_new_tokens=1, oracle=False)) if below else []
+    errors = {b: probe_error(r) for b, r in zip(below, results)}
+    chosen, why = choose_budget(errors, tolerance)
+    return BudgetChoice(
+        tolerance=float(tolerance),
+        ladder=rungs,
+        errors={f"{b:g}": e for b, e in errors.items()},
+        chosen=chosen,
+        extra_prefill_tokens=len(prompt.input_ids) if below else 0,
+        reason=why,
     )

@@ -14,7 +14,8 @@ import torch
 from kvcert.policy import FULL, Policy
 from kvcert.serve.certificate import token_certificate
 
-SIGNALS = ("certificate", "confidence", "random")
+SIGNALS = ("certificate", "confidence", "probe", "combined", "random")
+CALIBRATED_SIGNALS = ("certificate", "probe", "combined")  # a calibration file can give their thresholds
 SCOPES = ("token", "answer")
 
 
@@ -25,8 +26,12 @@ class Escalation:
     signal: what triggers it: "certificate" (a token's certificate above `threshold`; None takes the calibration's
     threshold for `rate`, the share of answers the calibration data escalated), "confidence" (a token's negative
     log-probability above `threshold`: the model's own uncertainty, the baseline the certificate must beat) or
+    "probe" (the prefill probe's error above `threshold`, known before the first token: kvcert.serve.probe),
+    "combined" (the calibration's logistic model of a cache-induced failure over the answer's largest certificate
+    so far, its lowest log-probability so far and the probe error, above `threshold` as a probability) or
     "random" (with probability `threshold`, seeded by generate's seed: the control; per token, or once per answer
-    with scope="answer"). on_untrusted: also escalate at an untrusted token. budget: the budget to escalate to (1.0:
+    with scope="answer"). For "certificate", "probe" and "combined" a None threshold takes the calibration's for
+    `rate`. on_untrusted: also escalate at an untrusted token. budget: the budget to escalate to (1.0:
     the full cache, whose tokens are then exact).
     scope: "token" re-reads the prompt and the tokens so far at the larger budget, drops the token that crossed the
     threshold and goes on (the tokens before it stay). "answer" treats the answer as one unit: as soon as the
@@ -50,7 +55,7 @@ class Escalation:
             raise ValueError(f"escalation budget must be in (0, 1], got {self.budget!r}")
         if self.signal not in SIGNALS:
             raise ValueError(f"escalation signal {self.signal!r}: choose one of {', '.join(SIGNALS)}")
-        if self.signal != "certificate" and self.threshold is None:
+        if self.signal not in CALIBRATED_SIGNALS and self.threshold is None:
             raise ValueError(f"escalation signal {self.signal!r} needs a threshold")
 
 
@@ -86,6 +91,9 @@ class _Stream:
 
     def __init__(self, tokenizer, cal, reduction, escalate, threshold, on_token, n_layers: int, seed: int = 0):
         self.answer_scope = escalate is not None and escalate.scope == "answer"
+        self.probe_error = math.nan  # the prefill probe of the current segment's cache (set by generate)
+        self.combined = cal.combined_risk if cal is not None and escalate is not None else None
+        self.worst_cert, self.worst_logprob = 0.0, 0.0  # the answer's running signals
         self.tokenizer, self.cal, self.reduction = tokenizer, cal, reduction
         self.escalate, self.threshold, self.on_token = escalate, threshold, on_token
         self.multipliers = cal.multiplier_tensor() if cal is not None else None
@@ -113,8 +121,15 @@ class _Stream:
 
     def should_escalate(self, policy: Policy, cert: float, logprob: float, trusted: bool) -> str | None:
         esc = self.escalate
+        if math.isfinite(cert):
+            self.worst_cert = max(self.worst_cert, cert)
+        self.worst_logprob = min(self.worst_logprob, logprob)
         if not self.can_escalate(policy):
             return None
+        if esc.signal == "combined" and self.combined is not None:
+            risk = self.combined(self.worst_cert, self.worst_logprob, self.probe_error, policy.budget)
+            if risk is not None and risk > self.threshold:
+                return f"combined risk {risk:.3g} > threshold {self.threshold:.3g}"
         # answer scope: the answer's running max of certificates / min of log-probabilities crosses at the first
         # token that crosses, so the test per token is the same; what differs is the action (a restart)
         kind = "answer's largest certificate" if self.answer_scope else "certificate"
@@ -146,7 +161,11 @@ class _Stream:
         logp = batch.first_logits[0].float().log_softmax(-1)
         first = int(logp.argmax())
         exact = policy.is_full or policy.compress_after == "prompt"  # read exactly, then compressed
-        if self.answer_scope and self.escalate.signal == "confidence":  # the first token counts for the answer too
+        esc = self.escalate
+        probing = esc is not None and esc.signal == "probe" and self.can_escalate(policy)  # known before any token
+        if probing and math.isfinite(self.probe_error) and self.probe_error > self.threshold:
+            return 0, f"probe error {self.probe_error:.3g} > threshold {self.threshold:.3g}"
+        if self.answer_scope and esc.signal in ("confidence", "combined"):  # the first token counts for the answer
             why = self.should_escalate(policy, 0.0, float(logp[first]), True)
             if why is not None:
                 return 0, why
@@ -185,6 +204,8 @@ def _escalate_to(stream: _Stream, escalate: Escalation, current: Policy, why: st
     )
     del stream.steps[kept:]
     stream.escalations.append(event)
+    if stream.answer_scope:  # the restarted answer's running signals start afresh
+        stream.worst_cert, stream.worst_logprob = 0.0, 0.0
     if stream.answer_scope and stream.on_token is not None:
         stream.on_token(event)
     return to
