@@ -166,6 +166,9 @@ def _one_error_line(capsys, *phrases: str) -> str:
         (["--escalate", "2"], ["--escalate 2 is outside (0, 1)"]),
         (["--calibration", "none", "--escalate", "0.1"], ["--escalate needs a calibration"]),
         (["--calibration", "no-such.json"], ["calibration file no-such.json does not exist; pass"]),
+        (["--tolerance", "0"], ["--tolerance 0 is not positive"]),
+        (["--tolerance", "tight"], ["--tolerance 'tight' is not a number"]),
+        (["--tolerance", "0.1", "--ladder", "0.25,2"], ["--ladder 0.25,2: every budget must lie in (0, 1]"]),
     ],
 )
 def test_bad_arguments_are_one_error_line_before_the_model_loads(doc, extra, phrases, capsys, no_model_load):
@@ -273,6 +276,26 @@ def test_generate_streams_the_tokens_and_writes_json_and_html(tmp_path, monkeypa
     page = out_html.read_text()
     _assert_self_contained(page)
     assert len(TOKEN_SPAN.findall(page)) == 6 and page.count('<mark class="esc" data-tip="') == 1
+
+
+def test_generate_with_a_tolerance_reports_the_budget_it_chose(tmp_path, monkeypatch, capsys, tiny_smol):
+    """--tolerance: a tolerance every rung meets takes the smallest rung; the JSON holds the choice and the probe."""
+    model, tok = tiny_smol
+    monkeypatch.setattr(kvcert.serve, "load_model", lambda name, **kw: (model, tok))
+    doc = tmp_path / "doc.txt"
+    ex = make_examples("single_needle", 1, 300, tok, seed=7006)[0]
+    doc.write_text(ex.context)
+    out_json = tmp_path / "a.json"
+    args = ["generate", "--model", SMOL, "--context-file", str(doc), "--question", ex.question, "--tolerance", "1e9",
+            "--ladder", "0.25,0.5,1", "--max-new-tokens", "4", "--calibration", "none",
+            "--json", str(out_json)]  # fmt: skip
+    with no_eos(model):
+        assert main(args) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
+    assert data["budget_choice"]["chosen"] == 0.25 and data["policy"]["budget"] == 0.25
+    assert set(data["budget_choice"]["errors"]) == {"0.25", "0.5"} and data["probe"]["error"] > 0
+    assert "budget from tolerance 1e+09: 0.25" in out
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
     kvcert generate --model smollm2 --context-file doc.txt --question "Who wrote it?" --budget 0.25 \
         [--max-new-tokens 64] [--calibration FILE|none] [--escalate 0.1|none] [--escalate-scope token|answer] \
-        [--json out.json] [--html out.html]
+        [--tolerance 0.1 [--ladder 0.125,0.25,0.5,1]] [--json out.json] [--html out.html]
     kvcert calibrate --model smollm2 [--tasks single_needle,fact_qa | --data file.jsonl] [--lengths 1024] [--n 20] \
         [--budgets 0.25,0.5] [--seed 5000] --out calib.json
 
@@ -131,6 +131,28 @@ def _escalate_arg(text: str | None, scope: str = "token"):
     return Escalation(rate=rate, scope=scope)
 
 
+def _tolerance_args(tolerance: str | None, ladder: str) -> tuple[float | None, tuple[float, ...]]:
+    try:
+        rungs = tuple(float(x) for x in ladder.split(","))
+    except ValueError:
+        raise UsageError(
+            f"--ladder {ladder!r} is not a comma-separated list of budgets, e.g. 0.125,0.25,0.5,1"
+        ) from None
+    if any(not 0.0 < b <= 1.0 for b in rungs):
+        raise UsageError(f"--ladder {ladder}: every budget must lie in (0, 1], e.g. 0.125,0.25,0.5,1")
+    if tolerance is None or tolerance.lower() == "none":
+        return None, rungs
+    try:
+        value = float(tolerance)
+    except ValueError:
+        raise UsageError(
+            f"--tolerance {tolerance!r} is not a number; pass a relative attention error, e.g. 0.1"
+        ) from None
+    if not value > 0:
+        raise UsageError(f"--tolerance {value:g} is not positive; pass a relative attention error, e.g. 0.1")
+    return value, rungs
+
+
 def _writable(path: str | None, flag: str) -> Path | None:
     if path is None:
         return None
@@ -185,6 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model_name = _model_name(args.model)
     calibration = _calibration_arg(args.calibration, model_name, budget)
     escalate = _escalate_arg(args.escalate, args.escalate_scope)
+    tolerance, ladder = _tolerance_args(args.tolerance, args.ladder)
     if escalate is not None and calibration is None:
         raise UsageError("--escalate needs a calibration (its threshold); drop --calibration none or --escalate")
     json_out, html_out = _writable(args.json, "--json"), _writable(args.html, "--html")
@@ -217,6 +240,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             on_token=stream,
             model_name=model_name,
             seed=args.seed,
+            tolerance=tolerance,
+            ladder=ladder,
         )
     except ValueError as err:  # CalibrationError, TaskError and the prompt-length check are ValueErrors
         print(flush=True)
@@ -226,6 +251,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     print()
     print(f"answer: {gen.text}")
     print(gen.summary())
+    if gen.budget_choice is not None:
+        c = gen.budget_choice
+        rungs = ", ".join(f"{b}: {e:.3g}" for b, e in c.errors.items())
+        print(f"budget from tolerance {c.tolerance:g}: {c.chosen:g} ({c.reason}; probe error per budget {rungs})")
     print(f"({len(gen.steps)} tokens in {seconds:.1f} s, prompt {gen.prompt_tokens} tokens, stopped at {gen.stopped})")
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +265,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
         rate = escalate.rate if escalate is not None else 0.1
         threshold, label = _html_threshold(calibration, model_name, rate)
-        title = f"kvcert generate: {model_name} at budget {budget:g}"
+        title = f"kvcert generate: {model_name} at budget {gen.policy.budget:g}"
         write_html(gen, html_out, title=title, question=args.question, threshold=threshold, threshold_label=label)
         print(f"wrote {html_out}")
     return 0
@@ -339,6 +368,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["token", "answer"],
         help="token: re-read and go on from the token that crossed; answer: discard the answer and restart it",
     )
+    g.add_argument(
+        "--tolerance",
+        default=None,
+        help="choose the smallest budget of --ladder whose prefill probe error (relative attention error) is within "
+        "this, e.g. 0.1 (--budget is then ignored)",
+    )
+    g.add_argument("--ladder", default="0.125,0.25,0.5,1", help="the budgets --tolerance chooses from")
     g.add_argument("--json", default=None, help="write the generation (tokens, certificates) as JSON here")
     g.add_argument("--html", default=None, help="write the self-contained HTML view here")
     g.add_argument("--seed", type=int, default=0, help="the randomized design's draws")

@@ -109,10 +109,11 @@ def _warn_once(key: tuple, message: str) -> None:
 
 
 def resolve_calibration(
-    calibration, model_name: str | None, n_layers: int, policy: Policy
+    calibration, model_name: str | None, n_layers: int, policy: Policy, *, chosen_budget: bool = False
 ) -> tuple[Calibration | None, str | None]:
     """(the calibration to use or None, its label). "auto": the shipped file of a packaged model; a path or a
-    Calibration must match the model, the policy and the budget (CalibrationError otherwise)."""
+    Calibration must match the model, the policy and the budget (CalibrationError otherwise; with chosen_budget, a
+    budget picked from a tolerance, a file that only misses that budget is set aside with the usual warning)."""
     label = None
     if policy.is_full:  # the full cache is exact: nothing to calibrate, every certificate is 0 and every token trusted
         return None, EXACT
@@ -130,6 +131,8 @@ def resolve_calibration(
         else:
             cal, label = Calibration.load(calibration), f"{Path(calibration).name}"
         why = cal.mismatch(model_name, n_layers, policy, policy.budget)
+        if why is not None and chosen_budget and cal.mismatch(model_name, n_layers, policy, min(cal.budgets)) is None:
+            why, cal = None, None
         if why is not None:
             raise CalibrationError(
                 f"calibration {label} does not apply: {why}; run `kvcert calibrate` for this model and policy"
@@ -258,7 +261,7 @@ def generate(
         choice = _choose_budget(model, Prompt(input_ids=ids, question_start=qs, example_id=example_id), policy,
                                 tolerance, ladder)  # fmt: skip
         policy = FULL if choice.chosen >= 1.0 else Policy(**{**asdict(policy), "budget": choice.chosen})
-    cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy)
+    cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
     threshold = None
     if escalate is not None:

@@ -22,7 +22,7 @@ held-out examples (`Calibration.report["tolerance"]`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -50,7 +50,6 @@ class BudgetChoice:
     chosen: float
     extra_prefill_tokens: int  # the probe-only read of the prompt
     reason: str = ""
-    probes: dict = field(default_factory=dict, repr=False)
 
 
 def layer_errors(results: list[ProbeResult | None]) -> list[float]:
