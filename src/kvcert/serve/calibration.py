@@ -153,7 +153,8 @@ def collect(
 
     answers: example_id, task, budget, correct, full_correct, n_answer, token_max_{reduction} (filled by `fit`);
     cells: example_id, budget, step, layer, head, error, variance, trace_c2, out_norm, tail_mass."""
-    from kvcert.hf import FULL, DecodeOptions, generate_variants
+    from kvcert.hf import FULL, DecodeOptions, generate_variants, probe_prompt
+    from kvcert.serve.probe import probe_error
     from kvcert.tasks import render, score
 
     answers, cells = [], []
@@ -163,7 +164,8 @@ def collect(
         opts = DecodeOptions(max_new_tokens=24, stop_strings=prompt.stop_strings, oracle=True, certificate=True)
         full, *results = generate_variants(model, tokenizer, prompt, [FULL, *policies], opts)
         full_correct = score(full.answer, example)[1]
-        for r in results:
+        probes = probe_prompt(model, prompt, policies, DecodeOptions(max_new_tokens=1, oracle=False))
+        for r, probe in zip(results, probes):
             answers.append(
                 dict(
                     example_id=example.id,
@@ -172,6 +174,8 @@ def collect(
                     correct=score(r.answer, example)[1],
                     full_correct=full_correct,
                     n_answer=r.n_answer,
+                    logprob=float(min(r.logprobs[: r.n_answer])) if r.n_answer else math.nan,
+                    probe_error=probe_error(probe),
                 )
             )
             n = r.n_answer
@@ -289,7 +293,22 @@ def fit(
     thresholds = {f"{r:g}": float(np.quantile(cal_scores, 1 - r)) for r in rates} if len(cal_scores) else {}
     test_scores = answers.loc[answers["example_id"].isin(test_ids), f"cert_{chosen}"].dropna().to_numpy()
     report["held_out_escalation_rate"] = {r: float((test_scores > t).mean()) for r, t in thresholds.items()}
-    return dict(multipliers=multipliers, reduction=chosen, thresholds=thresholds, report=report, answers=answers)
+    models, signal_thresholds = {}, {}
+    if {"probe_error", "logprob"} <= set(answers.columns):  # collections made before the probe lack them
+        from kvcert.serve.signals import fit_signals
+
+        signals = fit_signals(answers.assign(certificate=answers[f"cert_{chosen}"]), cal_ids, test_ids, rates)
+        models, signal_thresholds = signals["models"], signals["signal_thresholds"]
+        report.update(signals["report"])
+    return dict(
+        multipliers=multipliers,
+        reduction=chosen,
+        thresholds=thresholds,
+        report=report,
+        answers=answers,
+        models=models,
+        signal_thresholds=signal_thresholds,
+    )
 
 
 # ----------------------------------------------------------------------------------------------- the command
@@ -333,6 +352,8 @@ def calibrate(
         multipliers=res["multipliers"],
         reduction=res["reduction"],
         thresholds=res["thresholds"],
+        signal_thresholds=res["signal_thresholds"],
+        models=res["models"],
         data={**data, "n_examples": len(examples), "split_seed": split_seed},
         report=res["report"],
     )
@@ -356,4 +377,15 @@ def describe(cal: Calibration) -> str:
         "  escalation thresholds (rate: threshold, held-out rate): "
         + ", ".join(f"{k}: {v:.3g} ({r['held_out_escalation_rate'][k]:.2f})" for k, v in cal.thresholds.items()),
     ]
+    if "signal_auroc" in r:
+        lines.append(
+            "  held-out AUROC of each answer-level signal for cache-induced failures: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["signal_auroc"].items())
+        )
+        lines.append(
+            "  tolerance (probe error) -> share of answers within it, cache-induced failure rate among them: "
+            + ", ".join(
+                f"{t}: {v['share_within']:.2f}, {v['cache_failure_rate']:.2f}" for t, v in r["tolerance"].items()
+            )
+        )
     return "\n".join(lines)
