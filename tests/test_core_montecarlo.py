@@ -42,8 +42,10 @@ def _readme_rows() -> dict:
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     rows = {}
     for m in re.finditer(
-        r"^\| (well-scored|mis-scored|very peaked) \| ([\d.]+) \| ([\d.]+) \| ([\d.-]+) \| ([\d.-]+) \|$", text, re.M
-    ):
+        r"^\| (well-scored|mis-scored|very peaked) +\| ([\d.]+) +\| ([\d.]+) +\| ([\d.-]+) +\| ([\d.-]+) +\|$",
+        text,
+        re.M,
+    ):  # cells padded to their column's width (kvcert.analysis.tables.markdown_table)
         rows[(m[1], float(m[2]), float(m[3]))] = (m[4], m[5])
     return rows
 

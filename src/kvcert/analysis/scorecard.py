@@ -124,15 +124,11 @@ def scorecard_markdown(scorecard: Mapping) -> str:
     def esc(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
 
-    lines = [
-        "# Scorecard",
-        "",
-        scorecard["lock"]["line"],
-        "",
-        "| " + " | ".join(HEADER) + " |",
-        "|" + "---|" * len(HEADER),
-    ]
-    lines += ["| " + " | ".join(esc(x) for x in _row_cells(c)) + " |" for c in scorecard["claims"]]
+    from kvcert.analysis.tables import markdown_table  # here: kvcert.analysis.tables imports this module
+
+    rows = [[esc(x) for x in _row_cells(c)] for c in scorecard["claims"]]
+    table = markdown_table(pd.DataFrame(rows, columns=HEADER), parse_numbers=False)
+    lines = ["# Scorecard", "", scorecard["lock"]["line"], "", table]
     return "\n".join(lines) + "\n"
 
 

@@ -18,7 +18,7 @@ import torch
 from kvcert.bench.child import bench_threads
 from kvcert.bench.common import DEFAULT_MODEL, FULL_CONFIG, QUICK_CONFIG, BenchConfig, load, median, no_eos, sync
 from kvcert.bench.measure import bench_attention_only, bench_decode, bench_examples, bench_prefill
-from kvcert.bench.report import plot_roofline, plot_scaling, scaling_exponents, write_markdown
+from kvcert.bench.report import md_table, plot_roofline, plot_scaling, scaling_exponents, write_markdown
 from kvcert.bench.roofline import bench_roofline
 
 HEADLINE_CONFIG = "certificate+oracle"  # what the runner decodes with (`DecodeOptions()`)
@@ -179,21 +179,22 @@ def bench_integration(model_name: str, device: str, dtype: str, out_dir: Path, l
             cfg = replace(FULL_CONFIG, decode_tokens=1024, decode_variants=variants, decode_steps=8, decode_reps=3)
             d = bench_decode(model, cfg, device, log)
             res["decode_ms"][variants] = {k: v["step_s"] * 1e3 for k, v in d.items()}
-    lines = [
-        "| measurement | value |",
-        "|---|---|",
-        f"| load, first (GGUF dequantize + convert to safetensors) | {res['load_first_s']:.1f} s |",
-        f"| load, cached safetensors | {res['load_cached_s']:.1f} s |",
+    rows = [
+        ["load, first (GGUF dequantize + convert to safetensors)", f"{res['load_first_s']:.1f} s"],
+        ["load, cached safetensors", f"{res['load_cached_s']:.1f} s"],
     ]
-    lines += [
-        f"| prefill, {n} tokens (exact attention, records the oracle) | {t:.2f} s |"
+    rows += [
+        [f"prefill, {n} tokens (exact attention, records the oracle)", f"{t:.2f} s"]
         for n, t in res["prefill_s"].items()
     ]
     for variants, d in res["decode_ms"].items():
-        lines.append(
-            f"| decode step, {variants} variant(s), 1k tokens: plain / + certificate / + oracle | "
-            f"{d['plain']:.0f} / {d['certificate']:.0f} / {d['certificate+oracle']:.0f} ms |"
+        rows.append(
+            [
+                f"decode step, {variants} variant(s), 1k tokens: plain / + certificate / + oracle",
+                f"{d['plain']:.0f} / {d['certificate']:.0f} / {d['certificate+oracle']:.0f} ms",
+            ]
         )
+    lines = md_table(["measurement", "value"], rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = torch.device(device).type
     (out_dir / f"integration_{tag}.json").write_text(json.dumps(res, indent=2) + "\n")

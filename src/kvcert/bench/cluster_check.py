@@ -275,6 +275,17 @@ def compare(reference: list[str], other: list[str]) -> tuple[bool, list[str]]:
     return ok, notes
 
 
+def launcher_table(rows: list[list[str]]) -> str:
+    """cluster_check.md: one row per launcher (kvcert.analysis.tables.markdown_table, cells written as given)."""
+    import pandas as pd  # here: this module runs before the cluster extra is installed
+
+    from kvcert.analysis.tables import markdown_table
+
+    return markdown_table(
+        pd.DataFrame(rows, columns=["launcher", "outcome", "wall (s)", "detail"]), parse_numbers=False
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvcert.bench.cluster_check", description=__doc__.splitlines()[0])
     ap.add_argument("--install", action="store_true", help="pip install pyproject's cluster extra first")
@@ -354,16 +365,17 @@ def main(argv=None) -> int:
     out = ROOT / args.out if not Path(args.out).is_absolute() else Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cluster_check.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    lines = ["| launcher | outcome | wall (s) | detail |", "|---|---|---|---|"]
+    rows = []
     for name, e in report["launchers"].items():
         detail = (
             e.get("reason")
             or e.get("error")
             or ("; ".join(e.get("tail", [])[-2:]) if e.get("rc") else f"{len(e.get('folders', []))} result folders")
         )
-        lines.append(f"| {name} | {e.get('status')} | {e.get('wall_s', 0):.0f} | {detail} |")
-    (out / "cluster_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+        rows.append([f"{name}", f"{e.get('status')}", f"{e.get('wall_s', 0):.0f}", f"{detail}"])
+    table = launcher_table(rows)
+    (out / "cluster_check.md").write_text(table + "\n")
+    print(table)
     log(f"done in {report['wall_s']:.0f} s, exit {status}")
     return status
 

@@ -6,8 +6,10 @@ import math
 import statistics
 from pathlib import Path
 
+import pandas as pd
 import torch
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.bench.common import QUESTION_TOKENS
 
 
@@ -147,6 +149,11 @@ def plot_roofline(roof: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def md_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A Markdown table's lines (kvcert.analysis.tables.markdown_table), every cell written as given."""
+    return markdown_table(pd.DataFrame(rows, columns=header), parse_numbers=False).split("\n")
+
+
 def _fmt(x, spec=".2f", suffix=""):
     return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:{spec}}{suffix}"
 
@@ -173,53 +180,88 @@ def write_markdown(res: dict, path: Path) -> None:
         ]
     roof = res.get("roofline") or {}
     rl = res.get("roofline_headline") or {}
+    exb, exa = ex.get("before") or {}, ex.get("after") or {}
+    headline = [
+        [
+            f"shared prefill speedup ({res['headline']['variants']} variants, {res['headline']['tokens']} tokens)",
+            f"{res['shared_prefill_speedup']:.2f}x",
+            ">= 5x",
+        ],
+        [
+            "certificate overhead per decode step (oracle off; `DecodeOptions()`, compiled backend on a CPU) vs plain",
+            f"{res['certificate_overhead']:.3f}x",
+            "<= 1.15x",
+        ],
+        ["... V_hat + diagnostics, no tight radius", _fmt(res.get("certificate_overhead_no_tight"), ".3f", "x"), "-"],
+        [
+            "... tight radius refreshed every 8th step (`decode.tight_radius_every=8`)",
+            _fmt(res.get("certificate_overhead_tight_every8"), ".3f", "x"),
+            "-",
+        ],
+        [
+            "... on the torch-ops backend (`decode.backend=torch`, what a GPU runs)",
+            _fmt(res.get("certificate_overhead_torch_ops"), ".3f", "x"),
+            "-",
+        ],
+        [
+            "compiled kernel's gain (certificate + oracle step, torch-ops backend / compiled backend)",
+            _fmt(res.get("kernel_speedup"), ".2f", "x"),
+            "-",
+        ],
+        ["certificate overhead, attention kernel alone", f"{res['attention_only']['ratio']:.3f}x", "-"],
+        ["oracle cost (certificate + oracle vs certificate)", f"{res['oracle_overhead']:.3f}x", "-"],
+        [
+            f"roofline multiple: decode step / machine limit ({rl.get('variants', '-')} variants, "
+            f"{rl.get('tokens', '-')} tokens, {rl.get('config', '-')})",
+            _fmt(res.get("roofline_multiple"), ".1f", "x"),
+            "<= 2.5x",
+        ],
+        ["... the same on the torch-ops backend", _fmt(res.get("roofline_multiple_torch_ops"), ".1f", "x"), "-"],
+        [
+            f"seconds per confirmatory example ({ex.get('variants', '-')} variants), before / after",
+            f"{_fmt(exb.get('seconds_per_example'))} / {_fmt(exa.get('seconds_per_example'))} s",
+            "-",
+        ],
+        [
+            "examples per hour, before / after",
+            f"{_fmt(exb.get('examples_per_hour'), '.0f')} / {_fmt(exa.get('examples_per_hour'), '.0f')}",
+            "-",
+        ],
+        ["example speedup (before / after, one run)", _fmt(res.get("example_speedup"), ".2f", "x"), "-"],
+        *[
+            [f"this engine vs the earlier fast path, {name} (earlier / this, section 8)", f"{ratio:.2f}x", ">= 1x"]
+            for name, ratio in (res.get("engine_vs_fast_path") or {}).items()
+        ],
+        [
+            "kvpress protocol, seconds per example (11 configurations, 1k tokens, 16 new tokens)",
+            f"{_fmt(res.get('kvpress_protocol_s_per_example'), '.2f')} s",
+            "-",
+        ],
+    ]
+    prefill = [
+        [
+            f"{r['tokens']}",
+            f"{r['variants']}",
+            f"{r['reps']}",
+            f"{r['shared_s']:.2f}",
+            f"{r['reprefill_s']:.2f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['decode_step_s'] * 1e3:.1f}",
+        ]
+        for r in res["prefill"]
+    ]
     lines += [
         "## Headline",
         "",
-        "| metric | value | target |",
-        "|---|---|---|",
-        f"| shared prefill speedup ({res['headline']['variants']} variants, {res['headline']['tokens']} tokens) | "
-        f"{res['shared_prefill_speedup']:.2f}x | >= 5x |",
-        "| certificate overhead per decode step (oracle off; `DecodeOptions()`, compiled backend on a CPU) "
-        "vs plain "
-        f"| {res['certificate_overhead']:.3f}x | <= 1.15x |",
-        "| ... V_hat + diagnostics, no tight radius | "
-        f"{_fmt(res.get('certificate_overhead_no_tight'), '.3f', 'x')} | - |",
-        f"| ... tight radius refreshed every 8th step (`decode.tight_radius_every=8`) | "
-        f"{_fmt(res.get('certificate_overhead_tight_every8'), '.3f', 'x')} | - |",
-        "| ... on the torch-ops backend (`decode.backend=torch`, what a GPU runs) | "
-        f"{_fmt(res.get('certificate_overhead_torch_ops'), '.3f', 'x')} | - |",
-        "| compiled kernel's gain (certificate + oracle step, torch-ops backend / compiled backend) | "
-        f"{_fmt(res.get('kernel_speedup'), '.2f', 'x')} | - |",
-        f"| certificate overhead, attention kernel alone | {res['attention_only']['ratio']:.3f}x | - |",
-        f"| oracle cost (certificate + oracle vs certificate) | {res['oracle_overhead']:.3f}x | - |",
-        f"| roofline multiple: decode step / machine limit ({rl.get('variants', '-')} variants, "
-        f"{rl.get('tokens', '-')} tokens, {rl.get('config', '-')}) | {_fmt(res.get('roofline_multiple'), '.1f', 'x')}"
-        " | <= 2.5x |",
-        f"| ... the same on the torch-ops backend | {_fmt(res.get('roofline_multiple_torch_ops'), '.1f', 'x')} | - |",
-        f"| seconds per confirmatory example ({ex.get('variants', '-')} variants), before / after | "
-        f"{_fmt((ex.get('before') or {}).get('seconds_per_example'))} / "
-        f"{_fmt((ex.get('after') or {}).get('seconds_per_example'))} s | - |",
-        f"| examples per hour, before / after | {_fmt((ex.get('before') or {}).get('examples_per_hour'), '.0f')} / "
-        f"{_fmt((ex.get('after') or {}).get('examples_per_hour'), '.0f')} | - |",
-        f"| example speedup (before / after, one run) | {_fmt(res.get('example_speedup'), '.2f', 'x')} | - |",
-        *[
-            f"| this engine vs the earlier fast path, {name} (earlier / this, section 8) | {ratio:.2f}x | >= 1x |"
-            for name, ratio in (res.get("engine_vs_fast_path") or {}).items()
-        ],
-        f"| kvpress protocol, seconds per example (11 configurations, 1k tokens, 16 new tokens) | "
-        f"{_fmt(res.get('kvpress_protocol_s_per_example'), '.2f')} s | - |",
+        *md_table(["metric", "value", "target"], headline),
         "",
         "## 1. Shared prefill + batched variants vs re-prefilling per variant",
         "",
-        "| tokens | variants | reps | shared (s) | re-prefill (s) | speedup | decode step, shared (ms) |",
-        "|---|---|---|---|---|---|---|",
+        *md_table(
+            ["tokens", "variants", "reps", "shared (s)", "re-prefill (s)", "speedup", "decode step, shared (ms)"],
+            prefill,
+        ),
     ]
-    for r in res["prefill"]:
-        lines.append(
-            f"| {r['tokens']} | {r['variants']} | {r['reps']} | {r['shared_s']:.2f} | {r['reprefill_s']:.2f} "
-            f"| {r['speedup']:.2f}x | {r['decode_step_s'] * 1e3:.1f} |"
-        )
     lines += [
         "",
         "With one variant, shared and re-prefilled are the same work (one prefill, one policy): that row's ratio is "
@@ -232,11 +274,11 @@ def write_markdown(res: dict, path: Path) -> None:
         f"{dc['decode_steps']} steps x {dc['decode_reps']} reps; prefill excluded; step = interval between "
         "consecutive `on_step` callbacks)",
         "",
-        "| configuration | ms per step | vs plain |",
-        "|---|---|---|",
+        *md_table(
+            ["configuration", "ms per step", "vs plain"],
+            [[k, f"{v['step_s'] * 1e3:.1f}", f"{v['step_s'] / d['plain']['step_s']:.3f}x"] for k, v in d.items()],
+        ),
     ]
-    for k, v in d.items():
-        lines.append(f"| {k} | {v['step_s'] * 1e3:.1f} | {v['step_s'] / d['plain']['step_s']:.3f}x |")
     a = res["attention_only"]
     lines += [
         "",
@@ -248,24 +290,24 @@ def write_markdown(res: dict, path: Path) -> None:
     lines += [
         "## 3. Scaling (log-log slopes; figure `bench_scaling.png`)",
         "",
-        "| cost | slope vs tokens (per variants) | slope vs variants (per tokens) |",
-        "|---|---|---|",
     ]
-    for k, v in sc.items():
-        fmt = lambda m: ", ".join(f"{a}: {b:.2f}" for a, b in m.items()) or "-"  # noqa: E731
-        lines.append(f"| {k} | {fmt(v['vs_tokens'])} | {fmt(v['vs_variants'])} |")
+    fmt = lambda m: ", ".join(f"{a}: {b:.2f}" for a, b in m.items()) or "-"  # noqa: E731
+    lines += md_table(
+        ["cost", "slope vs tokens (per variants)", "slope vs variants (per tokens)"],
+        [[k, fmt(v["vs_tokens"]), fmt(v["vs_variants"])] for k, v in sc.items()],
+    )
     lines += [
         "",
         "## 4. Peak memory (fresh subprocess per configuration; peak sampled RSS over a warmed-up baseline)",
         "",
-        "| tokens | variants | peak delta (MB) | baseline RSS (MB) |",
-        "|---|---|---|---|",
     ]
+    memory = []
     for r in res["memory"]:
         extra = f" (GPU {r['gpu_peak_delta_mb']:.0f})" if "gpu_peak_delta_mb" in r else ""
-        lines.append(
-            f"| {r['tokens']} | {r['variants']} | {r['peak_delta_mb']:.0f}{extra} | {r['rss_baseline_mb']:.0f} |"
+        memory.append(
+            [f"{r['tokens']}", f"{r['variants']}", f"{r['peak_delta_mb']:.0f}{extra}", f"{r['rss_baseline_mb']:.0f}"]
         )
+    lines += md_table(["tokens", "variants", "peak delta (MB)", "baseline RSS (MB)"], memory)
     sv = res.get("serving")
     if sv:
         lines += [
@@ -275,12 +317,13 @@ def write_markdown(res: dict, path: Path) -> None:
             "Each layer is compressed inside its prefill forward; KV held = the compressed caches' keys and values",
             "(padding and the slots of the tokens to come included); peak = above the loaded, warmed-up model.",
             "",
-            "| tokens | budget | KV held (MiB) | peak (MB) |",
-            "|---|---|---|---|",
-        ]
-        lines += [
-            f"| {r['tokens']} | {r['budget']:g} | {r['kv_bytes'] / 2**20:.0f} | {r[sv['peak']]:.0f} |"
-            for r in sv["rows"]
+            *md_table(
+                ["tokens", "budget", "KV held (MiB)", "peak (MB)"],
+                [
+                    [f"{r['tokens']}", f"{r['budget']:g}", f"{r['kv_bytes'] / 2**20:.0f}", f"{r[sv['peak']]:.0f}"]
+                    for r in sv["rows"]
+                ],
+            ),
         ]
         lines += [
             "",
@@ -292,13 +335,12 @@ def write_markdown(res: dict, path: Path) -> None:
             "",
             "## 5. Thread settings (decode step, certificate on, oracle off)",
             "",
-            "| setting | ms per step |",
-            "|---|---|",
         ]
-        lines += [f"| torch.set_num_threads({c}) | {s * 1e3:.1f} |" for c, s in t["num_threads_step_s"].items()]
-        lines += [
-            f"| OMP_WAIT_POLICY={k} (subprocess) | {s * 1e3:.1f} |" for k, s in t["omp_wait_policy_step_s"].items()
+        settings = [[f"torch.set_num_threads({c})", f"{s * 1e3:.1f}"] for c, s in t["num_threads_step_s"].items()]
+        settings += [
+            [f"OMP_WAIT_POLICY={k} (subprocess)", f"{s * 1e3:.1f}"] for k, s in t["omp_wait_policy_step_s"].items()
         ]
+        lines += md_table(["setting", "ms per step"], settings)
         best_omp = f"; OMP_WAIT_POLICY {t['best_omp_wait_policy']}" if t.get("best_omp_wait_policy") else ""
         lines += ["", f"Faster: {t['best_num_threads']} thread(s){best_omp}."]
     if ex:
@@ -313,14 +355,14 @@ def write_markdown(res: dict, path: Path) -> None:
             "Seconds per example = prefill + compression + decode of all variants with "
             "certificate and oracle, EOS and stop strings on (model load excluded).",
             "",
-            "| mode | seconds per example | examples per hour |",
-            "|---|---|---|",
+            *md_table(
+                ["mode", "seconds per example", "examples per hour"],
+                [
+                    [k, _fmt(v and v["seconds_per_example"]), _fmt(v and v["examples_per_hour"], ".0f")]
+                    for k, v in ((k, ex.get(k)) for k in ("before", "after"))
+                ],
+            ),
         ]
-        for k in ("before", "after"):
-            v = ex.get(k)
-            lines.append(
-                f"| {k} | {_fmt(v and v['seconds_per_example'])} | {_fmt(v and v['examples_per_hour'], '.0f')} |"
-            )
         if not ex.get("available_after"):
             lines += [
                 "",
@@ -343,16 +385,24 @@ def write_markdown(res: dict, path: Path) -> None:
             f"The {roof['formula']}; bytes and flops per step are counted as in `kvcert.bench.roofline` "
             f"(weights {roof['shape']['weight_bytes'] / 2**20:.0f} MiB per step).",
             "",
-            "| tokens | variants | config | step (ms) | MiB / step | GFLOP / step | bound | limit (ms) | "
-            "multiple | multiple (sum limit) |",
-            "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for r in roof["rows"]:
-            lines.append(
-                f"| {r['tokens']} | {r['variants']} | {r['config']} | {r['step_s'] * 1e3:.1f} | "
-                f"{r['bytes'] / 2**20:.0f} | {r['flops'] / 1e9:.2f} | {r['bound']} | "
-                f"{r['limit_s'] * 1e3:.2f} | {r['multiple']:.1f}x | {r['multiple_sum']:.1f}x |"
-            )
+        header = ["tokens", "variants", "config", "step (ms)", "MiB / step", "GFLOP / step", "bound", "limit (ms)"]
+        rows = [
+            [
+                f"{r['tokens']}",
+                f"{r['variants']}",
+                f"{r['config']}",
+                f"{r['step_s'] * 1e3:.1f}",
+                f"{r['bytes'] / 2**20:.0f}",
+                f"{r['flops'] / 1e9:.2f}",
+                f"{r['bound']}",
+                f"{r['limit_s'] * 1e3:.2f}",
+                f"{r['multiple']:.1f}x",
+                f"{r['multiple_sum']:.1f}x",
+            ]
+            for r in roof["rows"]
+        ]
+        lines += md_table([*header, "multiple", "multiple (sum limit)"], rows)
     vs = res.get("versus")
     if vs:
         from kvcert.bench.versus import markdown

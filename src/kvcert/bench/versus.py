@@ -26,6 +26,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+import pandas as pd
+
+from kvcert.analysis.tables import markdown_table
 from kvcert.records import cpu_model
 
 BEFORE = "0c9eb6d"  # the last commit of the two-path engine (default path + opt-in fast path)
@@ -172,11 +175,13 @@ def markdown(res: dict) -> str:
         "kvpress protocol: each of the 11 configurations decoded on its own (a prefill each), seconds per example = "
         "the sum of the 11 calls.",
         "",
-        "| configuration | before (s) | after (s) | before / after |",
-        "|---|---|---|---|",
     ]
-    for r in res["rows"]:
-        lines.append(f"| {r['configuration']} | {r['before_s']:.2f} | {r['after_s']:.2f} | {r['ratio']:.2f}x |")
+    rows = [
+        [f"{r['configuration']}", f"{r['before_s']:.2f}", f"{r['after_s']:.2f}", f"{r['ratio']:.2f}x"]
+        for r in res["rows"]
+    ]
+    header = ["configuration", "before (s)", "after (s)", "before / after"]
+    lines.append(markdown_table(pd.DataFrame(rows, columns=header), parse_numbers=False))
     return "\n".join(lines) + "\n"
 
 

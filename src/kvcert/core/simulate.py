@@ -170,9 +170,22 @@ def regime_table(seeds=(1, 2, 3), budgets=(0.25, 0.5), floors=(0.2, 0.5), draws:
     return rows
 
 
+def regime_cells(r: dict) -> list[str]:
+    """One row of the README's regime table, as printed: regime, budget, floor, coverage range, E[V_hat]/MSE range."""
+    cov = f"{r['coverage_min']:.3f}-{r['coverage_max']:.3f}"
+    ratio = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
+    return [r["regime"], f"{r['budget']:.2f}", f"{r['floor']:.1f}", cov, ratio]
+
+
+def regime_markdown(cells: list[list[str]]) -> str:
+    """The README's regime table from rows of regime_cells (kvcert.analysis.tables.markdown_table)."""
+    import pandas as pd  # here: kvcert.core needs neither pandas nor the analysis package to compute
+
+    from kvcert.analysis.tables import markdown_table
+
+    header = ["regime", "budget", "floor", "coverage of the 95% radius", "E[V_hat] / MSE"]
+    return markdown_table(pd.DataFrame(cells, columns=header), parse_numbers=False)
+
+
 if __name__ == "__main__":
-    print("| regime | budget | floor | coverage of the 95% radius | E[V_hat] / MSE |\n|---|---|---|---|---|")
-    for r in regime_table():
-        cov = f"{r['coverage_min']:.3f}-{r['coverage_max']:.3f}"
-        ratio = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}"
-        print(f"| {r['regime']} | {r['budget']:.2f} | {r['floor']:.1f} | {cov} | {ratio} |")
+    print(regime_markdown([regime_cells(r) for r in regime_table()]))

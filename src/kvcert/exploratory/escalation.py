@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.records import cpu_model
 
 TASKS = ("single_needle", "multikey_needle", "fact_qa")
@@ -326,27 +327,27 @@ def write_report(
         f"- Intervals: 95% percentile bootstrap over examples, {meta['n_boot']} resamples, seed {meta['boot_seed']}; "
         "differences are paired (same resamples, per-example correctness of both rules)",
         "",
-        "| signal | target rate | escalated | accuracy % [95% CI] | mean KV MiB | mean extra prefill tokens | "
-        "certificate - this rule (points) [95% CI] |",
-        "|---|---|---|---|---|---|---|",
     ]
+    header = ["signal", "target rate", "escalated", "accuracy % [95% CI]", "mean KV MiB", "mean extra prefill tokens"]
+    header.append("certificate - this rule (points) [95% CI]")
+    rows = []
     for r in summary.itertuples(index=False):
         rate = "-" if r.signal in ("never", "always_full") else f"{r.rate:g}"
         escalated = "-" if r.signal == "always_full" else f"{r.escalated:.2f}"
         diff = "" if not math.isfinite(r.diff) else f"{_pct(r.diff)} [{_pct(r.diff_lo)}, {_pct(r.diff_hi)}]"
-        lines.append(
-            f"| {r.signal} | {rate} | {escalated} | {_pct(r.accuracy)} [{_pct(r.acc_lo)}, {_pct(r.acc_hi)}] | "
-            f"{r.kv_mib:.1f} | {r.extra_prefill:.0f} | {diff} |"
-        )
+        accuracy = f"{_pct(r.accuracy)} [{_pct(r.acc_lo)}, {_pct(r.acc_hi)}]"
+        rows.append([f"{r.signal}", rate, escalated, accuracy, f"{r.kv_mib:.1f}", f"{r.extra_prefill:.0f}", diff])
+    lines.append(markdown_table(pd.DataFrame(rows, columns=header), parse_numbers=False))
     # per task accuracy
     lines += ["", "Accuracy % by task:", ""]
     tasks = list(meta["tasks"])
-    lines += ["| signal | target rate | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
     by_task = answers.groupby(["signal", "rate", "task"])["correct"].mean()
+    rows = []
     for r in summary.itertuples(index=False):
         rate = "-" if r.signal in ("never", "always_full") else f"{r.rate:g}"
         vals = [_pct(float(by_task.get((r.signal, r.rate, t), math.nan))) for t in tasks]
-        lines.append(f"| {r.signal} | {rate} | " + " | ".join(vals) + " |")
+        rows.append([f"{r.signal}", rate, *vals])
+    lines.append(markdown_table(pd.DataFrame(rows, columns=["signal", "target rate", *tasks]), parse_numbers=False))
     never = base["correct"].to_numpy(bool)
     full = base["full_correct"].to_numpy(bool)
     lines += [

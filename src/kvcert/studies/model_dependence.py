@@ -46,6 +46,7 @@ from kvcert.analysis import accuracy, auroc, claims, coverage, intervention
 from kvcert.analysis.accuracy import POINTS
 from kvcert.analysis.bootstrap import Stat, bootstrap_weights, cluster_codes, percentile_ci, weighted_mean
 from kvcert.analysis.scorecard import round_frame
+from kvcert.analysis.tables import markdown_table
 from kvcert.shards import atomic_text
 
 CLAIMS = ("C1", "C2", "C3", "C4", "C6", "C7")
@@ -364,16 +365,20 @@ def model_dependence_markdown(df: pd.DataFrame, names: tuple[str, str] = ("A", "
         "**same verdict, sizes differ** if it excludes zero and the verdicts are equal; **not distinguishable at "
         "this power** if it includes zero.",
         "",
-        f"| claim | metric | {a} | {b} | {a} - {b} | {level} CI | verdict {a} | verdict {b} | reading "
-        f"| n {a} | n {b} |",
-        "|---|---|---:|---:|---:|---|---|---|---|---:|---:|",
     ]
-    for r in df.to_dict(orient="records"):
-        lines.append(
-            f"| {r['claim']} | {r['metric']} | {_fmt(r['estimate_a'])} | {_fmt(r['estimate_b'])} | "
-            f"{_fmt(r['difference'])} | [{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}] | {r['verdict_a']} | "
-            f"{r['verdict_b']} | {r['reading']} | {r['n_a']} | {r['n_b']} |"
-        )
+    header = [
+        *("claim", "metric", a, b, f"{a} - {b}", f"{level} CI"),
+        *(f"verdict {a}", f"verdict {b}", "reading", f"n {a}", f"n {b}"),
+    ]
+    rows = [
+        [
+            *(f"{r['claim']}", f"{r['metric']}", _fmt(r["estimate_a"]), _fmt(r["estimate_b"])),
+            *(_fmt(r["difference"]), f"[{_fmt(r['ci_low'])}, {_fmt(r['ci_high'])}]"),
+            *(f"{r['verdict_a']}", f"{r['verdict_b']}", f"{r['reading']}", f"{r['n_a']}", f"{r['n_b']}"),
+        ]
+        for r in df.to_dict(orient="records")
+    ]
+    lines.append(markdown_table(pd.DataFrame(rows, columns=header), parse_numbers=False))
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import cast
 
+import pandas as pd
+
 from kvcert.analysis.scorecard import _fmt, jsonable, lock_line
+from kvcert.analysis.tables import markdown_table
 
 NOT_EVALUATED = "not evaluated"
 CONCLUSIVE = ("supported", "refuted")
@@ -311,11 +314,8 @@ def combined_markdown(card: Mapping) -> str:
         return str(s).replace("|", "\\|").replace("\n", " ")
 
     def table(header: list[str], body: list[list[str]]) -> list[str]:
-        return [
-            "| " + " | ".join(map(esc, header)) + " |",
-            "|" + "---|" * len(header),
-            *("| " + " | ".join(map(esc, r)) + " |" for r in body),
-        ]
+        df = pd.DataFrame([list(map(esc, r)) for r in body], columns=list(map(esc, header)))
+        return markdown_table(df, parse_numbers=False).split("\n")
 
     lines = ["# Scorecard: " + " and ".join(card["studies"]), ""]
     lines += [f"- {sid}: {s['lock']['line']}" for sid, s in card["studies"].items()]
