@@ -143,7 +143,7 @@ def _one_of(key: str, value: Any, allowed) -> None:
 
 def validate(cfg: DictConfig) -> None:
     """Semantic checks beyond the schema's types. Raises ConfigError with one line."""
-    from kvcert.tasks import TASKS
+    from kvcert.tasks import ALL_TASKS
 
     if not cfg.policy.grid:
         raise ConfigError("policy.grid is empty; add entries like {scorer: window_question, designs: [randomized]}")
@@ -164,7 +164,7 @@ def validate(cfg: DictConfig) -> None:
         if not cfg.task.tasks:
             raise ConfigError("task.tasks is empty and task.dataset is null; name tasks or a dataset")
         for t in cfg.task.tasks:
-            _one_of("task.tasks", t, set(TASKS))
+            _one_of("task.tasks", t, set(ALL_TASKS))
         _validate_difficulty(cfg.task)
     elif cfg.task.difficulty:
         raise ConfigError(f"task.difficulty is for the offline tasks (task.dataset={cfg.task.dataset}); remove it")
@@ -271,7 +271,7 @@ def record_content(content: dict) -> dict:
     hashed only when set dropped at their defaults, unset optional grid-entry keys dropped. Folder names hash it, and
     a folder's saved config matches a new one when their record contents are equal (so a key added to the schema
     later, at its default, neither renames nor orphans earlier folders)."""
-    from kvcert.tasks.ruler import DIFFICULTY
+    from kvcert.tasks import DIFFICULTY
 
     content = copy.deepcopy(content)
     task = content.get("task") or {}
