@@ -333,12 +333,17 @@ def calibrate(
     saved = Path(work_dir) if work_dir is not None else None
     if saved is not None and (saved / "cells.parquet").is_file():
         answers, cells = pd.read_parquet(saved / "answers.parquet"), pd.read_parquet(saved / "cells.parquet")
+        timing = saved / "collect.json"
+        collect_s = json.loads(timing.read_text())["collect_s"] if timing.is_file() else None
     else:
+        started = time.perf_counter()
         answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log)
+        collect_s = round(time.perf_counter() - started)
         if saved is not None:
             saved.mkdir(parents=True, exist_ok=True)
             answers.to_parquet(saved / "answers.parquet")
             cells.to_parquet(saved / "cells.parquet")
+            (saved / "collect.json").write_text(json.dumps({"collect_s": collect_s}) + "\n")
     n_layers = int(model.config.num_hidden_layers)
     res = fit(answers, cells, n_layers=n_layers, split_seed=split_seed)
     full_acc = answers.drop_duplicates("example_id")["full_correct"].mean()
@@ -354,7 +359,7 @@ def calibrate(
         thresholds=res["thresholds"],
         signal_thresholds=res["signal_thresholds"],
         models=res["models"],
-        data={**data, "n_examples": len(examples), "split_seed": split_seed},
+        data={**data, "n_examples": len(examples), "split_seed": split_seed, "collect_s": collect_s},
         report=res["report"],
     )
 
@@ -383,9 +388,11 @@ def describe(cal: Calibration) -> str:
             + ", ".join(f"{k} {v:.3f}" for k, v in r["signal_auroc"].items())
         )
         lines.append(
-            "  tolerance (probe error) -> share of answers within it, cache-induced failure rate among them: "
-            + ", ".join(
-                f"{t}: {v['share_within']:.2f}, {v['cache_failure_rate']:.2f}" for t, v in r["tolerance"].items()
+            "  tolerance t -> mean budget taken, share at the full cache, accuracy, cache-induced failure rate: "
+            + "; ".join(
+                f"{t}: {v['mean_budget']:.2f}, {v['share_full']:.2f}, {v['accuracy']:.2f}, "
+                f"{v['cache_failure_rate']:.2f}"
+                for t, v in r["tolerance"].items()
             )
         )
     return "\n".join(lines)

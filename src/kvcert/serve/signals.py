@@ -7,9 +7,11 @@ kvcert.serve.probe) and the budget. On the calibration half, among answers the f
 models (scikit-learn, standardized features) are fitted for a cache-induced failure (the full cache right, the policy
 wrong): "probe" on (probe_error, budget), available before decoding, and "combined" on all four. Both are stored
 as plain numbers in the calibration file, so using them needs no scikit-learn. On the other half the file reports each
-signal's AUROC for cache-induced failures, the thresholds that escalate a share r of answers (quantiles on the
-calibration half) and, for a grid of tolerances t, the share of answers whose probe error is within t and the
-cache-induced failure rate among them (what `generate(..., tolerance=t)` buys on data like this).
+signal's AUROC for cache-induced failures (pooled over budgets, and within each budget, since the budget alone
+separates failures), the thresholds that escalate a share r of answers (quantiles on the calibration half) and, for
+a grid of tolerances t, what `generate(..., tolerance=t)` does on those examples: each takes the smallest fitted
+budget whose probe error is within t (else the full cache), and the report gives the mean budget taken, the share
+sent to the full cache, the accuracy and the cache-induced failure rate among examples the full cache got right.
 """
 
 from __future__ import annotations
@@ -55,6 +57,33 @@ def predict(model: dict, frame: pd.DataFrame) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-z))
 
 
+def tolerance_outcomes(answers: pd.DataFrame, tolerances=TOLERANCES) -> dict:
+    """What the tolerance rule does on these examples: per example the smallest budget whose probe error is within t
+    (else the full cache, whose answer is the full cache's); mean budget, share at the full cache, accuracy and the
+    cache-induced failure rate among examples the full cache got right."""
+    out = {}
+    for t in tolerances:
+        chosen = []
+        for _, group in answers.sort_values("budget").groupby("example_id", sort=True):
+            within = group[group["probe_error"] <= t]
+            if len(within):
+                row = within.iloc[0]
+                chosen.append((float(row["budget"]), bool(row["correct"]), bool(row["full_correct"])))
+            else:
+                full = bool(group["full_correct"].iloc[0])
+                chosen.append((1.0, full, full))
+        frame = pd.DataFrame(chosen, columns=["budget", "correct", "full_correct"])
+        right = frame[frame["full_correct"]]
+        out[f"{t:g}"] = dict(
+            mean_budget=float(frame["budget"].mean()) if len(frame) else math.nan,
+            share_full=float((frame["budget"] >= 1.0).mean()) if len(frame) else math.nan,
+            accuracy=float(frame["correct"].mean()) if len(frame) else math.nan,
+            cache_failure_rate=float((~right["correct"]).mean()) if len(right) else math.nan,
+            n=int(len(frame)),
+        )
+    return out
+
+
 def fit_signals(answers: pd.DataFrame, cal_ids, test_ids, rates) -> dict:
     """Models, thresholds and the held-out report (see the module docstring). answers: one row per (example,
     budget) with example_id, budget, correct, full_correct, certificate, logprob, probe_error."""
@@ -87,19 +116,19 @@ def fit_signals(answers: pd.DataFrame, cal_ids, test_ids, rates) -> dict:
         ok = held[column].notna()
         labels, scores = held.loc[ok, "cache_failure"].to_numpy(bool), held.loc[ok, column].to_numpy()
         aurocs[signal] = float(auroc(labels, scores)) if 0 < labels.sum() < len(labels) else math.nan
+    by_budget = {}
+    for budget, group in held.groupby("budget"):
+        by_budget[f"{budget:g}"] = {}
+        for signal, column in SCORES.items():
+            ok = group[column].notna()
+            labels, scores = group.loc[ok, "cache_failure"].to_numpy(bool), group.loc[ok, column].to_numpy()
+            value = auroc(labels, scores) if 0 < labels.sum() < len(labels) else math.nan
+            by_budget[f"{budget:g}"][signal] = float(value)
     test = df[df["example_id"].isin(test_ids)]
-    tolerance = {}
-    for t in TOLERANCES:
-        within = test[test["probe_error"] <= t]
-        right_within = within[within["full_correct"]]
-        tolerance[f"{t:g}"] = dict(
-            share_within=float(len(within) / len(test)) if len(test) else math.nan,
-            cache_failure_rate=float(right_within["cache_failure"].mean()) if len(right_within) else math.nan,
-            n=int(len(within)),
-        )
     report = dict(
         signal_auroc=aurocs,
-        tolerance=tolerance,
+        signal_auroc_by_budget=by_budget,
+        tolerance=tolerance_outcomes(test),
         tolerance_unit="relative attention error of the window's queries (kvcert.serve.probe)",
         probe_error_by_budget={f"{b:g}": float(g["probe_error"].median()) for b, g in df.groupby("budget")},
     )
