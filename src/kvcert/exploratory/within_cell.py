@@ -18,6 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis.tables import markdown_table
+from kvcert.studies.study4_analysis import pooled_auroc, within_cell_auroc
 
 ROOT = Path(__file__).resolve().parents[3]
 STUDIES = {
@@ -44,23 +45,6 @@ def c6_rows(examples: pd.DataFrame) -> pd.DataFrame:
 
 def _nominal(tokens: pd.Series) -> np.ndarray:
     return LENGTHS[np.abs(tokens.to_numpy()[:, None] - LENGTHS[None, :]).argmin(1)]
-
-
-def within_cell_auroc(labels: np.ndarray, scores: np.ndarray, cells: np.ndarray) -> float:
-    """Share of (positive, negative) pairs inside one cell ranked right (ties count half)."""
-    hits = pairs = 0.0
-    for cell in np.unique(cells):
-        at = cells == cell
-        pos, neg = scores[at & labels], scores[at & ~labels]
-        if len(pos) and len(neg):
-            diff = pos[:, None] - neg[None, :]
-            hits += (diff > 0).sum() + 0.5 * (diff == 0).sum()
-            pairs += diff.size
-    return hits / pairs if pairs else float("nan")
-
-
-def pooled_auroc(labels: np.ndarray, scores: np.ndarray) -> float:
-    return within_cell_auroc(labels, scores, np.zeros(len(labels)))
 
 
 def analyse(ex: pd.DataFrame, n_boot: int = 2000, seed: int = 0) -> dict:

@@ -1,0 +1,168 @@
+"""Study 4's records (draft, preregistration/study4/PLAN.md): per example, the full-cache answer and, at each budget,
+the compressed answer with every answer-level signal, from `kvcert.generate` in serving mode.
+
+Greedy decoding is deterministic and an answer-level escalation to the full cache yields exactly the full cache's
+greedy answer (tests/test_serve.py), so these two decodes per budget give every escalation policy's answer at every
+rate offline (kvcert.studies.study4_analysis). One row per (example, budget):
+
+    example_id, task, context_tokens, budget, correct, full_correct, certificate (the answer's largest token
+    certificate, the shipped calibration's multipliers and reduction), logprob (its lowest token log-probability),
+    probe_error, probe_certificate, n_answer, kv_bytes, full_kv_bytes, prompt_tokens, answer, full_answer
+
+Rows are appended to `answers.jsonl` as each example finishes (flushed and fsync'ed); a rerun skips the examples
+already there, so a killed run resumes where it stopped.
+
+    python -m kvcert.studies.study4_collect --model smollm2-135m-instruct --tasks needle_reworded,word_needle \
+        --lengths 1024 --n 4 --seed 8500 --budgets 0.25,0.5 --out results/study4/pilot/smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+BUDGETS = (0.5, 0.25)
+MAX_NEW_TOKENS = 24
+
+
+def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_name: str, seed: int = 0) -> list[dict]:
+    """The full-cache answer once, then each budget's compressed answer with its signals (see the module doc)."""
+    from kvcert.policy import FULL
+    from kvcert.serve.generate import generate
+    from kvcert.tasks import score
+
+    kw = dict(context=example.context, question=example.question, model_name=model_name, seed=seed,
+              max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
+    full = generate(model, tokenizer, policy=FULL, **kw)
+    full_correct = bool(score(full.text, example)[1])
+    rows = []
+    for budget in budgets:
+        out = generate(model, tokenizer, budget=budget, **kw)
+        certs = [c for c in out.certificate if math.isfinite(c)]
+        rows.append(
+            dict(
+                example_id=example.id,
+                task=example.task,
+                context_tokens=int(example.target_tokens),
+                budget=float(budget),
+                correct=bool(score(out.text, example)[1]),
+                full_correct=full_correct,
+                certificate=max(certs) if certs else math.nan,
+                logprob=min(out.logprobs) if out.logprobs else math.nan,
+                probe_error=out.probe.error if out.probe is not None else math.nan,
+                probe_certificate=out.probe.certificate if out.probe is not None else math.nan,
+                n_answer=len(out.steps),
+                kv_bytes=int(out.kv_bytes),
+                full_kv_bytes=int(out.full_kv_bytes),
+                prompt_tokens=int(out.prompt_tokens),
+                calibration=out.calibration,
+                answer=out.text,
+                full_answer=full.text,
+            )
+        )
+    return rows
+
+
+def _drop_partial_line(path: Path) -> None:
+    """A kill mid-write leaves a last line without its newline: cut it, so the next append starts clean."""
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with path.open("r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _done(path: Path) -> set[str]:
+    if not path.is_file():
+        return set()
+    _drop_partial_line(path)
+    done = set()
+    for line in path.read_text().splitlines():
+        try:
+            done.add(json.loads(line)["example_id"])
+        except (json.JSONDecodeError, KeyError):
+            continue  # a line cut short by a kill: its example is redone
+    return done
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    with path.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row, allow_nan=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def collect(
+    model,
+    tokenizer,
+    examples,
+    budgets: Sequence[float],
+    out_dir: str | Path,
+    *,
+    model_name: str,
+    log=print,
+) -> Path:
+    """Every example not yet in out_dir/answers.jsonl, appended as it finishes; returns the file."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "answers.jsonl"
+    done = _done(path)
+    todo = [e for e in examples if e.id not in done]
+    started = time.perf_counter()
+    for i, example in enumerate(todo):
+        _append(path, example_rows(model, tokenizer, example, budgets, model_name=model_name))
+        if log is not None:
+            log(f"  {i + 1}/{len(todo)} {example.id} ({time.perf_counter() - started:.0f} s)")
+    return path
+
+
+def load_answers(path: str | Path):
+    """answers.jsonl as a DataFrame (a last line cut short by a kill is skipped)."""
+    import pandas as pd
+
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return pd.DataFrame(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvcert.hf import load_model
+    from kvcert.tasks import make_examples
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--tasks", required=True, help="comma-separated task names")
+    p.add_argument("--lengths", default="1024")
+    p.add_argument("--n", type=int, default=4, help="examples per task and length")
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--budgets", default=",".join(f"{b:g}" for b in BUDGETS))
+    p.add_argument("--difficulty", default="", help="task=level,... (study 3's levels, the pilot's)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model)
+    levels = {k: int(v) for k, v in (x.split("=") for x in args.difficulty.split(",") if x)}
+    examples = []
+    for task in args.tasks.split(","):
+        for length in (int(x) for x in args.lengths.split(",")):
+            examples += make_examples(task, args.n, length, tokenizer, seed=args.seed, level=levels.get(task))
+    budgets = [float(b) for b in args.budgets.split(",")]
+    path = collect(model, tokenizer, examples, budgets, args.out, model_name=args.model)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
