@@ -288,7 +288,7 @@ def _examples(args: argparse.Namespace, tokenizer) -> tuple[list, dict]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from kvcert.tasks import TASKS
+    from kvcert.tasks import ALL_TASKS as TASKS
 
     budgets = _floats(args.budgets, "--budgets")
     if not budgets:
