@@ -110,3 +110,10 @@ def test_collection_resumes_without_duplicates_and_its_full_answer_is_the_full_c
     assert len(rows) == 4 and rows.groupby("example_id").size().tolist() == [2, 2]
     assert (rows["full_kv_bytes"] >= rows["kv_bytes"]).all() and rows["probe_error"].gt(0).all()
     assert set(rows["budget"]) == {0.5, 0.25} and rows["full_answer"].nunique() <= 2
+
+
+def test_the_report_renders_every_table():
+    from kvcert.studies.study4_analysis import report
+
+    text = report(_synthetic(n=120), "synthetic", n_boot=50)
+    assert text.startswith("# synthetic") and text.count("|---") >= 4 and "certificate" in text

@@ -158,3 +158,48 @@ def evaluate(
                 )
             )
     return dict(outcomes=pd.DataFrame(rows), differences=pd.DataFrame(diffs), discrimination=pd.DataFrame(disc))
+
+
+def report(answers: pd.DataFrame, title: str, n_boot: int = N_BOOT) -> str:
+    """The three tables as Markdown, plus full-cache and compressed accuracy per task and budget."""
+    from kvcert.analysis.tables import markdown_table
+
+    res = evaluate(answers, n_boot=n_boot)
+    acc = answers.groupby(["task", "budget"]).agg(
+        n=("example_id", "size"), full=("full_correct", "mean"), compressed=("correct", "mean")
+    )
+    parts = [
+        f"# {title}",
+        "Accuracy per task and budget (share of examples; full: the full cache):",
+        markdown_table(acc.reset_index(), floatfmt=".3f"),
+        "Escalation at matched rates (thresholds from the calibration split; confirmatory split shown):",
+        markdown_table(res["outcomes"], floatfmt=".3g"),
+        "Paired accuracy differences a - b (points, 95% example-cluster bootstrap):",
+        markdown_table(res["differences"], floatfmt=".3g"),
+        "AUROC for a cache-induced failure among examples the full cache got right (pooled; within task x length):",
+        markdown_table(res["discrimination"], floatfmt=".3f"),
+    ]
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    from pathlib import Path
+
+    from kvcert.studies.study4_collect import load_answers
+
+    p = argparse.ArgumentParser(description="study 4's evaluation of an answers.jsonl (draft; exploratory)")
+    p.add_argument("answers", nargs="+", help="answers.jsonl files (one per model)")
+    p.add_argument("--out", default=None, help="write the report here (default: beside the first file)")
+    args = p.parse_args(argv)
+    texts = []
+    for path in args.answers:
+        texts.append(report(load_answers(path), f"{Path(path).parent.name} (exploratory: {path})"))
+    out = Path(args.out) if args.out else Path(args.answers[0]).parent.parent / "pilot_report.md"
+    out.write_text("\n".join(texts))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
