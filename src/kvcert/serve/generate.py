@@ -268,7 +268,7 @@ def generate(
         threshold = escalate.threshold
         if threshold is None and cal is not None and escalate.signal in CALIBRATED_SIGNALS:
             threshold = cal.signal_threshold(escalate.signal, escalate.rate)
-        if escalate.signal == "combined" and (cal is None or cal.combined_risk(0.0, 0.0, 0.0, 0.5) is None):
+        if escalate.signal == "combined" and (cal is None or "combined" not in cal.models):
             raise CalibrationError(
                 "the combined signal needs a calibration file with a combined model: rerun `kvcert calibrate`"
             )
