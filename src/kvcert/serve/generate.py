@@ -147,14 +147,17 @@ def resolve_calibration(
     return cal, label
 
 
-def build_prompt(tokenizer, *, context, question, messages, prompt_format: str):
-    """(input ids, index where the question starts, stop strings)."""
+def build_prompt(tokenizer, *, context, question, messages, prompt_format: str, answer_prefix: str = ""):
+    """(input ids, index where the question starts, stop strings). answer_prefix: the start of the answer the model
+    continues (a base model needs one, e.g. "The access code is"; the answer returned excludes it)."""
     from kvcert.tasks import Example, render
     from kvcert.tasks.render import end_of_turn_strings
 
     if messages is not None:
         if context is not None or question is not None:
             raise ValueError("pass either messages= or context= and question=, not both")
+        if answer_prefix:
+            raise ValueError("answer_prefix= goes with context= and question= (end the messages yourself)")
         if not messages or not isinstance(messages[-1], dict) or "content" not in messages[-1]:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -173,6 +176,7 @@ def build_prompt(tokenizer, *, context, question, messages, prompt_format: str):
         depth=math.nan,
         metric="em",
         target_tokens=0,
+        answer_prefix=answer_prefix,
     )
     rendered = render(example, tokenizer, prompt_format)
     return rendered.input_ids, rendered.question_start, rendered.stop_strings
@@ -221,6 +225,7 @@ def generate(
     probe: bool = True,
     tolerance: float | None = None,
     ladder: tuple[float, ...] = DEFAULT_LADDER,
+    answer_prefix: str = "",
 ) -> Generation:
     """Greedy generation from a compressed cache with a per-token certificate (see the module docstring).
 
@@ -230,7 +235,8 @@ def generate(
     escalation restarts the answer (the tokens streamed before it are void); prompt_format: chat / plain / auto
     (default: the packaged model's, else auto); seed: the design's random draws; probe: measure the prefill probe
     (`Generation.probe`); tolerance: choose the budget from `ladder` by the probe (kvcert.serve.probe; `budget` is
-    then ignored and the chosen budget reported in `Generation.budget_choice`)."""
+    then ignored and the chosen budget reported in `Generation.budget_choice`); answer_prefix: text the answer starts
+    with, read as part of the prompt (a base model such as gemma3-270m otherwise often ends its turn at once)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
 
@@ -246,7 +252,8 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids, qs, stops = build_prompt(
-        tokenizer, context=context, question=question, messages=messages, prompt_format=prompt_format
+        tokenizer, context=context, question=question, messages=messages, prompt_format=prompt_format,
+        answer_prefix=answer_prefix,
     )
     window = getattr(model.config, "max_position_embeddings", None)
     if window is not None and len(ids) + max_new_tokens > window:

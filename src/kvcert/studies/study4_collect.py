@@ -26,43 +26,94 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-BUDGETS = (0.5, 0.25)
+BUDGETS = (0.5, 0.25, 0.125)  # 0.5 primary, 0.25 secondary, 0.125 the lowest rung of the tolerance ladder
 MAX_NEW_TOKENS = 24
 
 
+def _row_kv_bytes(batch) -> list[int]:
+    """Bytes each row of a CompressedBatch holds: its bucket's buffers split evenly over the bucket's rows (a
+    bucket's rows share one width), padding and the slots reserved for the tokens to come included, as
+    `kvcert.serve.generate.kv_bytes` counts for a batch of one."""
+    out = []
+    for bucket in batch.state.buckets:
+        total = sum(
+            buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
+            for buf in bucket.layers
+        )
+        out += [total // bucket.batch_size] * bucket.batch_size
+    return out
+
+
 def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_name: str, seed: int = 0) -> list[dict]:
-    """The full-cache answer once, then each budget's compressed answer with its signals (see the module doc)."""
+    """One read of the prompt for the full cache and every budget (kvcert.generate's serving path: the same prompt,
+    policy, draws, calibration and certificate), every row decoded in one batch; then one row per budget with the
+    compressed answer's signals and the full cache's answer (see the module doc)."""
+    import torch
+
+    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.policy import FULL
-    from kvcert.serve.generate import generate
+    from kvcert.serve.certificate import token_certificate
+    from kvcert.serve.generate import default_policy, full_cache_bytes, resolve_calibration
+    from kvcert.serve.probe import summarize
     from kvcert.tasks import score
 
-    kw = dict(context=example.context, question=example.question, model_name=model_name, seed=seed,
-              max_new_tokens=MAX_NEW_TOKENS)  # fmt: skip
-    full = generate(model, tokenizer, policy=FULL, **kw)
-    full_correct = bool(score(full.text, example)[1])
+    fmt = "auto"
+    from kvcert.hf.loading import EMBEDDED_MODELS, embedded_prompt_format
+    from kvcert.tasks import render
+
+    if model_name in EMBEDDED_MODELS:
+        fmt = embedded_prompt_format(model_name)
+    rendered = render(example, tokenizer, fmt)  # the task's own prompt, its answer prefix included (as studies 1-3)
+    ids, qs, stops = list(rendered.input_ids), int(rendered.question_start), tuple(rendered.stop_strings)
+    policies = [FULL] + [default_policy(float(b)) for b in budgets]
+    opts = DecodeOptions(max_new_tokens=MAX_NEW_TOKENS, stop_strings=tuple(stops), oracle=False, certificate=True)
+    prompt = Prompt(input_ids=ids, question_start=qs, example_id=f"kvcert-generate-{seed}")
+    batch = compress_while_reading(model, prompt, policies, opts, probe=len(policies) > 1)
+    row_bytes = dict(zip(batch.rows, _row_kv_bytes(batch)))
+    results = batch.decode(opts, tokenizer)
+    full = results[0]
+    full_correct = bool(score(full.answer, example)[1])
+    n_layers = int(model.config.num_hidden_layers)
+    if not budgets:  # the level pilot: the full cache's answer only
+        return [dict(example_id=example.id, task=example.task, context_tokens=int(example.target_tokens), budget=1.0,
+                     correct=full_correct, full_correct=full_correct, answer=full.answer, full_answer=full.answer)]  # fmt: skip
     rows = []
-    for budget in budgets:
-        out = generate(model, tokenizer, budget=budget, **kw)
-        certs = [c for c in out.certificate if math.isfinite(c)]
+    for i, budget in enumerate(budgets, start=1):
+        policy, out = policies[i], results[i]
+        cal, label = resolve_calibration("auto", model_name, n_layers, policy)
+        multipliers = cal.multiplier_tensor() if cal is not None else None
+        reduction = cal.reduction if cal is not None else "max"
+        # generate's tokens: the first (read with the full prompt: certificate 0), then one per decode step
+        certs = [0.0]
+        n = out.n_answer
+        if n > 1 and "variance" in out.stats:
+            stats = {k: torch.from_numpy(out.stats[k][: n - 1]) for k in ("variance", "trace_c2", "out_norm")}
+            certs += token_certificate(stats, multipliers, reduction)[0].tolist()
+        certs = certs[:n]
+        finite = [c for c in certs if math.isfinite(c)]
+        probe = summarize(batch.probes[i], float(budget), certified=policy.has_certificate, multipliers=multipliers,
+                          reduction=reduction, risk_model=cal.probe_risk if cal is not None else None)  # fmt: skip
         rows.append(
             dict(
                 example_id=example.id,
                 task=example.task,
                 context_tokens=int(example.target_tokens),
                 budget=float(budget),
-                correct=bool(score(out.text, example)[1]),
+                correct=bool(score(out.answer, example)[1]),
                 full_correct=full_correct,
-                certificate=max(certs) if certs else math.nan,
-                logprob=min(out.logprobs) if out.logprobs else math.nan,
-                probe_error=out.probe.error if out.probe is not None else math.nan,
-                probe_certificate=out.probe.certificate if out.probe is not None else math.nan,
-                n_answer=len(out.steps),
-                kv_bytes=int(out.kv_bytes),
-                full_kv_bytes=int(out.full_kv_bytes),
-                prompt_tokens=int(out.prompt_tokens),
-                calibration=out.calibration,
-                answer=out.text,
-                full_answer=full.text,
+                certificate=max(finite) if finite else math.nan,
+                logprob=min(out.logprobs[:n]) if n else math.nan,
+                probe_error=probe.error,
+                probe_certificate=probe.certificate,
+                n_answer=n,
+                kv_bytes=int(row_bytes[i]),
+                full_kv_bytes=int(full_cache_bytes(model, len(ids), MAX_NEW_TOKENS)),
+                prompt_tokens=len(ids),
+                calibration=label,
+                answer=out.answer,
+                full_answer=full.answer,
+                token_certificates=certs,
+                token_logprobs=list(out.logprobs[:n]),
             )
         )
     return rows
@@ -158,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     for task in args.tasks.split(","):
         for length in (int(x) for x in args.lengths.split(",")):
             examples += make_examples(task, args.n, length, tokenizer, seed=args.seed, level=levels.get(task))
-    budgets = [float(b) for b in args.budgets.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",") if b]  # "": the full cache only (a level pilot)
     path = collect(model, tokenizer, examples, budgets, args.out, model_name=args.model)
     print(f"wrote {path}")
     return 0
