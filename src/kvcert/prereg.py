@@ -1,7 +1,7 @@
 """Pre-registration locks, one per study: hash what the study froze; detect changes.
 
-    python -m kvcert.prereg lock [--study study1|study2|study3] [--force] [--root DIR]
-    python -m kvcert.prereg verify [--study study1|study2|study3] [--strict] [--root DIR]
+    python -m kvcert.prereg lock [--study study1|study2|study3|study4] [--force] [--root DIR]
+    python -m kvcert.prereg verify [--study study1|study2|study3|study4] [--strict] [--root DIR]
 
 Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs and the analysis code. Study 2
 (`preregistration/study2/`) locks everything that determines records or verdicts: its plan and predictions, all of
@@ -106,6 +106,20 @@ STUDIES["study3"] = Study(
         ENVIRONMENT_LOCK,
     ),
     STUDIES["study2"].globs,
+    STUDIES["study2"].packages,
+)
+# Study 4 (preregistration/study4/PLAN.md): study 2's hash list plus the serving code and the shipped calibrations
+# its signals come from, its level selection and the environment's lock file.
+STUDIES["study4"] = Study(
+    "preregistration/study4",
+    (
+        "preregistration/study4/PLAN.md",
+        "preregistration/study4/predictions_smollm2.yaml",
+        "preregistration/study4/predictions_gemma3.yaml",
+        "preregistration/study4/design.yaml",
+        ENVIRONMENT_LOCK,
+    ),
+    (*STUDIES["study2"].globs, "src/kvcert/serve/*.py", "src/kvcert/serve/calibrations/*.json"),
     STUDIES["study2"].packages,
 )
 

@@ -252,7 +252,11 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     ids, qs, stops = build_prompt(
-        tokenizer, context=context, question=question, messages=messages, prompt_format=prompt_format,
+        tokenizer,
+        context=context,
+        question=question,
+        messages=messages,
+        prompt_format=prompt_format,
         answer_prefix=answer_prefix,
     )
     window = getattr(model.config, "max_position_embeddings", None)

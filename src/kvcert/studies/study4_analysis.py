@@ -102,13 +102,49 @@ def policy_outcomes(
     return out, threshold
 
 
+def kv_matched_threshold(calibration: pd.DataFrame, signal: str, rate: float) -> float:
+    """The lowest threshold whose policy holds, on the calibration split, no more mean KV bytes than random
+    escalation at `rate` holds there in expectation ((1 - rate) compressed + rate full cache)."""
+    kv, full = calibration["kv_bytes"].to_numpy(float), calibration["full_kv_bytes"].to_numpy(float)
+    target = (1 - rate) * kv.mean() + rate * full.mean()
+    scores = calibration[f"score_{signal}"].to_numpy(np.float64)
+    best = float("inf")
+    # descending: each step escalates more examples (escalated: score > t; -inf escalates every scored example)
+    for t in [*np.unique(scores[np.isfinite(scores)])[::-1], -np.inf]:
+        esc = escalated(calibration[f"score_{signal}"], t)
+        if np.where(esc, full, kv).mean() > target:
+            break
+        best = float(t)
+    return best
+
+
+def kv_matched_outcomes(conf: pd.DataFrame, cal: pd.DataFrame, budget: float, rates: Sequence[float]) -> list[dict]:
+    rows = []
+    for rate in rates:
+        for signal in ("certificate", "confidence", "probe", "combined"):
+            threshold = kv_matched_threshold(cal, signal, rate)
+            esc = escalated(conf[f"score_{signal}"], threshold)
+            rows.append(
+                dict(
+                    budget=budget,
+                    kv_of_random_at=rate,
+                    signal=signal,
+                    threshold=threshold,
+                    realized_rate=esc.mean(),
+                    accuracy=100 * np.where(esc, conf["full_correct"], conf["correct"]).astype(float).mean(),
+                    mean_kv_mib=np.where(esc, conf["full_kv_bytes"], conf["kv_bytes"]).astype(float).mean() / 2**20,
+                )
+            )
+    return rows
+
+
 def evaluate(
     answers: pd.DataFrame, rates: Sequence[float] = RATES, signals: Sequence[str] = SIGNALS, n_boot: int = N_BOOT
 ) -> dict[str, pd.DataFrame]:
     """The outcome table, the paired differences and the discrimination table (see the module docstring)."""
     answers = answers.copy()
     answers["split"] = np.where(answers["example_id"].map(in_calibration_split), "calibration", "confirmatory")
-    rows, diffs, disc = [], [], []
+    rows, diffs, disc, matched = [], [], [], []
     for budget, at in answers.groupby("budget", sort=True):
         cal = at[at["split"] == "calibration"]
         scored = add_scores(at, cal)
@@ -137,10 +173,15 @@ def evaluate(
                     continue
                 ca, cb = outcomes[a]["correct"].to_numpy(), outcomes[b]["correct"].to_numpy()
                 ci = paired_difference(
-                    weighted_mean(ca), weighted_mean(cb), conf["example_id"], n_boot, BOOT_SEED,
+                    weighted_mean(ca),
+                    weighted_mean(cb),
+                    conf["example_id"],
+                    n_boot,
+                    BOOT_SEED,
                     diff=weighted_mean(ca - cb),
-                )["diff"].scaled(100)  # fmt: skip
+                )["diff"].scaled(100)
                 diffs.append(dict(budget=budget, rate=rate, a=a, b=b, diff=ci.estimate, lo=ci.lo, hi=ci.hi))
+        matched += kv_matched_outcomes(conf, cal, budget, rates)
         right = conf[conf["full_correct"].astype(bool)]
         labels = right["cache_failure"].to_numpy(bool)
         cells = (right["task"].astype(str) + "@" + right["context_tokens"].astype(str)).to_numpy()
@@ -157,7 +198,12 @@ def evaluate(
                     n_cache_failures=int(labels[ok].sum()),
                 )
             )
-    return dict(outcomes=pd.DataFrame(rows), differences=pd.DataFrame(diffs), discrimination=pd.DataFrame(disc))
+    return dict(
+        outcomes=pd.DataFrame(rows),
+        differences=pd.DataFrame(diffs),
+        discrimination=pd.DataFrame(disc),
+        kv_matched=pd.DataFrame(matched),
+    )
 
 
 def report(answers: pd.DataFrame, title: str, n_boot: int = N_BOOT) -> str:
@@ -178,6 +224,9 @@ def report(answers: pd.DataFrame, title: str, n_boot: int = N_BOOT) -> str:
         markdown_table(res["differences"], floatfmt=".3g"),
         "AUROC for a cache-induced failure among examples the full cache got right (pooled; within task x length):",
         markdown_table(res["discrimination"], floatfmt=".3f"),
+        "At matched mean KV memory (threshold chosen on the calibration split so that the mean KV there is random "
+        "escalation's at the rate named; confirmatory split shown):",
+        markdown_table(res["kv_matched"], floatfmt=".3g"),
     ]
     return "\n\n".join(parts) + "\n"
 

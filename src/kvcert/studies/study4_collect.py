@@ -75,8 +75,18 @@ def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_n
     full_correct = bool(score(full.answer, example)[1])
     n_layers = int(model.config.num_hidden_layers)
     if not budgets:  # the level pilot: the full cache's answer only
-        return [dict(example_id=example.id, task=example.task, context_tokens=int(example.target_tokens), budget=1.0,
-                     correct=full_correct, full_correct=full_correct, answer=full.answer, full_answer=full.answer)]  # fmt: skip
+        return [
+            dict(
+                example_id=example.id,
+                task=example.task,
+                context_tokens=int(example.target_tokens),
+                budget=1.0,
+                correct=full_correct,
+                full_correct=full_correct,
+                answer=full.answer,
+                full_answer=full.answer,
+            )
+        ]
     rows = []
     for i, budget in enumerate(budgets, start=1):
         policy, out = policies[i], results[i]
@@ -91,8 +101,14 @@ def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_n
             certs += token_certificate(stats, multipliers, reduction)[0].tolist()
         certs = certs[:n]
         finite = [c for c in certs if math.isfinite(c)]
-        probe = summarize(batch.probes[i], float(budget), certified=policy.has_certificate, multipliers=multipliers,
-                          reduction=reduction, risk_model=cal.probe_risk if cal is not None else None)  # fmt: skip
+        probe = summarize(
+            batch.probes[i],
+            float(budget),
+            certified=policy.has_certificate,
+            multipliers=multipliers,
+            reduction=reduction,
+            risk_model=cal.probe_risk if cal is not None else None,
+        )
         rows.append(
             dict(
                 example_id=example.id,

@@ -1,0 +1,159 @@
+"""Study 4 (preregistration/study4/PLAN.md): an actionable certificate, decided by a locked study.
+
+    python -m kvcert.studies.study4 select                 # the level pilot -> preregistration/study4/design.yaml
+    python -m kvcert.studies.study4 run --model smollm2    # confirmatory records (resumable), after the lock
+    python -m kvcert.studies.study4 analyze                # claims, report and scorecard cards, < 1 min
+
+`run` refuses before study 4's lock exists (the lock precedes every record). Records:
+results/study4/<model>/answers.jsonl; analysis: results/study4/<model>/{claims.json, report.md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import yaml
+
+PREREG = Path("preregistration/study4")
+RESULTS = Path("results/study4")
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+STUDY3_TASKS = ("multikey_needle", "multivalue_needle", "fact_qa")
+NEW_TEMPLATES = {"needle_reworded": (7, 12), "word_needle": (0, 1, 2), "multikey_words": (0, 1, 3)}
+LENGTHS = (1024, 2048)
+SEED = 8000
+N_PER_MODEL = 720
+BUDGETS = (0.5, 0.25, 0.125)
+
+
+def _pilot_accuracy(folder: Path) -> tuple[float, int]:
+    from kvcert.studies.study4_collect import load_answers
+
+    path = folder / "answers.jsonl"
+    if not path.is_file():
+        return math.nan, 0
+    frame = load_answers(path)
+    return float(frame["full_correct"].mean()), len(frame)
+
+
+def choose_level(accuracy: dict[int, float], default: int) -> int | None:
+    """PLAN.md section 2, rule 2: eligible 0.3 <= a <= 0.8; closest to 0.55; ties: the default, then the lower."""
+    eligible = [lvl for lvl, a in accuracy.items() if math.isfinite(a) and 0.3 <= a <= 0.8]
+    if not eligible:
+        return None
+    return min(eligible, key=lambda lvl: (round(abs(accuracy[lvl] - 0.55), 12), lvl != default, lvl))
+
+
+def select(pilot_root: Path = RESULTS / "pilot" / "levels", study3: Path = Path("preregistration/study3")) -> dict:
+    """The tasks and levels per model from the level pilot, by PLAN.md section 2's rule."""
+    from kvcert.tasks.ruler_variants import DIFFICULTY
+
+    levels3 = yaml.safe_load((study3 / "difficulty.yaml").read_text())["models"]
+    design: dict = dict(seed=SEED, lengths=list(LENGTHS), n_per_model=N_PER_MODEL, budgets=list(BUDGETS), models={})
+    for tag, name in MODELS.items():
+        tasks, pilot = {}, {}
+        for task in STUDY3_TASKS:
+            level = levels3[name][task]
+            a, n = _pilot_accuracy(pilot_root / tag / f"{task}-d{level}")
+            pilot[f"{task}-d{level}"] = dict(accuracy=a, n=n)
+            if n and 0.2 <= a <= 0.95:
+                tasks[task] = int(level)
+        for task, candidates in NEW_TEMPLATES.items():
+            acc = {}
+            for level in candidates:
+                a, n = _pilot_accuracy(pilot_root / tag / f"{task}-d{level}")
+                pilot[f"{task}-d{level}"] = dict(accuracy=a, n=n)
+                acc[level] = a if n else math.nan
+            chosen = choose_level(acc, DIFFICULTY[task][1])
+            if chosen is not None:
+                tasks[task] = int(chosen)
+        cells = len(tasks) * len(LENGTHS)
+        design["models"][tag] = dict(
+            model=name, tasks=tasks, n_per_cell=math.ceil(N_PER_MODEL / cells) if cells else 0, pilot=pilot
+        )
+    return design
+
+
+def examples_for(design: dict, tag: str, tokenizer) -> list:
+    from kvcert.tasks import make_examples
+
+    spec = design["models"][tag]
+    out = []
+    for task, level in spec["tasks"].items():
+        for length in design["lengths"]:
+            out += make_examples(task, spec["n_per_cell"], length, tokenizer, seed=design["seed"], level=level)
+    return out
+
+
+def run(tag: str, threads: int = 1, root: Path = Path(".")) -> Path:
+    import torch
+
+    from kvcert.hf import load_model
+    from kvcert.studies.study4_collect import collect
+
+    if tag not in MODELS:
+        raise SystemExit(f"study4: unknown model {tag!r}; choose one of {', '.join(MODELS)}")
+    if not (root / PREREG / "LOCK.json").is_file():
+        raise SystemExit(
+            "study4: preregistration/study4/LOCK.json is missing: lock the study first (make lock STUDY=study4)"
+        )
+    design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(MODELS[tag])
+    examples = examples_for(design, tag, tokenizer)
+    print(f"study4 {tag}: {len(examples)} examples, budgets {design['budgets']}")
+    return collect(model, tokenizer, examples, design["budgets"], root / RESULTS / tag, model_name=MODELS[tag])
+
+
+def analyze(root: Path = Path(".")) -> dict:
+    """Every model with records: its claims (claims.json) and report (report.md); returns {tag: claims}."""
+    from kvcert.analysis.scorecard import jsonable
+    from kvcert.studies.study4_analysis import report
+    from kvcert.studies.study4_claims import evaluate_claims
+    from kvcert.studies.study4_collect import load_answers
+
+    out = {}
+    for tag in MODELS:
+        path = root / RESULTS / tag / "answers.jsonl"
+        if not path.is_file():
+            continue
+        answers = load_answers(path)
+        predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())
+        claims = evaluate_claims(answers, predictions)
+        n_examples = int(answers["example_id"].nunique())
+        (root / RESULTS / tag / "claims.json").write_text(
+            json.dumps(jsonable(dict(model=MODELS[tag], n_examples=n_examples, claims=claims)), indent=2) + "\n"
+        )
+        (root / RESULTS / tag / "report.md").write_text(
+            report(answers, f"Study 4, {MODELS[tag]} ({n_examples} examples)")
+        )
+        out[tag] = claims
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("select", help="choose tasks and levels from the level pilot (PLAN.md section 2)")
+    r = sub.add_parser("run", help="the confirmatory records of one model (resumable)")
+    r.add_argument("--model", required=True, choices=sorted(MODELS))
+    r.add_argument("--threads", type=int, default=1)
+    sub.add_parser("analyze", help="claims and reports from the records")
+    args = p.parse_args(argv)
+    if args.cmd == "select":
+        design = select()
+        (PREREG / "design.yaml").write_text(yaml.safe_dump(design, sort_keys=False))
+        print(yaml.safe_dump({t: m["tasks"] for t, m in design["models"].items()}), end="")
+    elif args.cmd == "run":
+        print(f"wrote {run(args.model, args.threads)}")
+    else:
+        for tag, claims in analyze().items():
+            for cid, c in claims.items():
+                print(f"{tag} {cid}: {c['verdict']} {c['estimate']:.3g} [{c['lo']:.3g}, {c['hi']:.3g}]")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,125 @@
+"""Study 4's locked machinery: the level rule, the decision rules, the tolerance and KV-matched choices against hand
+computations, the collector against `kvcert.generate` (an independent path), and the lock-before-records guard."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from kvcert.studies.study4 import choose_level
+from kvcert.studies.study4_analysis import kv_matched_threshold
+from kvcert.studies.study4_claims import tolerance_choice, verdict
+
+
+def test_the_level_rule_takes_the_eligible_level_closest_to_055_with_declared_ties():
+    assert choose_level({0: 0.9, 1: 0.6, 2: 0.2}, default=2) == 1
+    assert choose_level({0: 0.95, 1: 0.25, 2: 0.1}, default=2) is None  # nothing in [0.3, 0.8]: dropped
+    assert choose_level({0: 0.45, 1: 0.65, 2: 0.45}, default=2) == 2  # a tie goes to the default
+    assert choose_level({0: 0.45, 1: 0.65, 3: 0.9}, default=3) == 0  # then to the lower level
+    assert choose_level({0: math.nan, 1: 0.3}, default=0) == 1
+
+
+@pytest.mark.parametrize(
+    ("rule", "result", "expected"),
+    [
+        ("margin", dict(estimate=4.0, lo=0.5, hi=8.0), "supported"),
+        ("margin", dict(estimate=2.0, lo=0.5, hi=4.0), "inconclusive"),  # above 0 but under the margin
+        ("margin", dict(estimate=0.0, lo=-2.5, hi=2.5), "refuted"),  # the margin is excluded
+        ("positive", dict(estimate=1.0, lo=0.1, hi=2.0), "supported"),
+        ("positive", dict(estimate=-1.0, lo=-2.0, hi=-0.1), "refuted"),
+        ("positive", dict(estimate=math.nan, lo=-2.0, hi=1.0), "inconclusive"),
+        ("less_kv", dict(estimate=0.8, lo=0.7, hi=0.9, accuracy_lo=-1.0), "supported"),
+        ("less_kv", dict(estimate=0.8, lo=0.7, hi=0.9, accuracy_lo=-4.0), "inconclusive"),  # too much accuracy lost
+        ("less_kv", dict(estimate=1.1, lo=1.0, hi=1.2, accuracy_lo=0.0), "refuted"),
+    ],
+)
+def test_the_decision_rules(rule, result, expected):
+    assert verdict(rule, result, margin=3.0) == expected
+
+
+def _ladder_rows(example_id, errors, correct, full_correct=True):
+    return [
+        dict(
+            example_id=example_id,
+            budget=b,
+            probe_error=e,
+            correct=c,
+            full_correct=full_correct,
+            kv_bytes=100 * b,
+            full_kv_bytes=100,
+        )
+        for b, e, c in zip((0.125, 0.25, 0.5), errors, correct)
+    ]
+
+
+def test_the_tolerance_rule_takes_the_smallest_rung_within_tolerance_else_the_full_cache():
+    frame = pd.DataFrame(
+        _ladder_rows("a", (0.3, 0.08, 0.02), (False, True, True))
+        + _ladder_rows("b", (0.05, 0.03, 0.01), (True, True, True))
+        + _ladder_rows("c", (0.5, 0.4, 0.2), (False, False, False), full_correct=True)
+    )
+    chosen = tolerance_choice(frame, 0.1).set_index("example_id")
+    assert chosen.loc["a", "budget"] == 0.25 and chosen.loc["a", "correct"]
+    assert chosen.loc["b", "budget"] == 0.125 and chosen.loc["b", "kv_bytes"] == 12.5
+    # above every rung: the full cache, whose answer is the full cache's
+    assert chosen.loc["c", "budget"] == 1.0 and chosen.loc["c", "correct"] and chosen.loc["c", "kv_bytes"] == 100
+
+
+def test_the_kv_matched_threshold_spends_no_more_memory_than_random_at_the_rate():
+    cal = pd.DataFrame(
+        dict(score_certificate=[0.9, 0.8, 0.1, 0.2], kv_bytes=[10, 10, 10, 10], full_kv_bytes=[100, 20, 20, 20])
+    )
+
+    def escalated_scores(rate: float) -> list[float]:
+        t = kv_matched_threshold(cal, "certificate", rate)
+        return sorted(cal.loc[cal["score_certificate"] > t, "score_certificate"].tolist())
+
+    # random at 25%: 0.75 * 10 + 0.25 * 40 = 17.5 mean bytes; escalating the top example alone costs 32.5: none
+    assert escalated_scores(0.25) == []
+    # at 75%: 0.25 * 10 + 0.75 * 40 = 32.5; the top example (32.5) fits, adding the next (35) does not
+    assert escalated_scores(0.75) == [0.9]
+    # at 100%: 40 bytes, everything fits
+    assert escalated_scores(1.0) == [0.1, 0.2, 0.8, 0.9]
+
+
+def test_the_collector_equals_generate_on_every_budget(tiny_smol):
+    """One read and one batched decode give what `kvcert.generate` gives per budget: answers, KV bytes and the
+    answer's largest certificate (an independent path: one read and one decode per call)."""
+    from kvcert.bench.common import no_eos
+    from kvcert.policy import FULL
+    from kvcert.serve.generate import generate
+    from kvcert.studies.study4_collect import MAX_NEW_TOKENS, example_rows
+    from kvcert.tasks import make_examples
+
+    model, tok = tiny_smol
+    example = make_examples("needle_reworded", 1, 300, tok, seed=8901)[0]
+    kw = dict(
+        context=example.context,
+        question=example.question,
+        answer_prefix=example.answer_prefix,
+        max_new_tokens=MAX_NEW_TOKENS,
+        calibration=None,
+        prompt_format="chat",
+    )
+    with no_eos(model), pytest.warns(UserWarning, match="no calibration"):
+        rows = example_rows(model, tok, example, [0.5, 0.25], model_name="tiny")
+        full = generate(model, tok, policy=FULL, **kw)
+        for row in rows:
+            out = generate(model, tok, budget=row["budget"], **kw)
+            n = row["n_answer"]
+            assert row["answer"] == out.text and n == len(out.steps) and row["full_answer"] == full.text
+            assert row["kv_bytes"] == out.kv_bytes
+            certs = [c for c in out.certificate[:n] if math.isfinite(c)]
+            assert row["certificate"] == pytest.approx(max(certs), rel=1e-4)
+            assert row["logprob"] == pytest.approx(min(out.logprobs[:n]), abs=1e-4)
+            assert row["probe_error"] == pytest.approx(out.probe.error, rel=1e-5)
+    assert rows[0]["full_kv_bytes"] == full.kv_bytes
+
+
+def test_the_run_refuses_before_the_lock(tmp_path):
+    from kvcert.studies.study4 import run
+
+    with pytest.raises(SystemExit, match="LOCK.json is missing: lock the study first"):
+        run("smollm2", root=tmp_path)
