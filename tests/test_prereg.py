@@ -141,4 +141,4 @@ def test_study2_lock_is_wider_and_records_package_versions(tree, monkeypatch):
     (tree / "preregistration/study2/DEVIATIONS.md").write_text("## Log\n### x src/kvcert/run.py package:torch\n")
     assert prereg.verify(tree, "study2")["deviations_recorded"]
     with pytest.raises(ValueError, match="unknown study"):
-        prereg.verify(tree, "study4")
+        prereg.verify(tree, "study9")
