@@ -242,6 +242,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             seed=args.seed,
             tolerance=tolerance,
             ladder=ladder,
+            answer_prefix=args.answer_prefix,
         )
     except ValueError as err:  # CalibrationError, TaskError and the prompt-length check are ValueErrors
         print(flush=True)
@@ -358,6 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", required=True, help="packaged model (smollm2-135m-instruct, gemma3-270m), folder or id")
     g.add_argument("--context-file", required=True, help="the document (UTF-8 text)")
     g.add_argument("--question", required=True)
+    g.add_argument("--answer-prefix", default="", help="the answer's first words (a base model needs them)")
     g.add_argument("--budget", default="0.25", help="share of the prompt the cache keeps, in (0, 1] (default 0.25)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--calibration", default=None, help="a `kvcert calibrate` file, or none (default: the shipped one)")

@@ -3,6 +3,7 @@
     python -m kvcert.studies.study4 select                 # the level pilot -> preregistration/study4/design.yaml
     python -m kvcert.studies.study4 run --model smollm2    # confirmatory records (resumable), after the lock
     python -m kvcert.studies.study4 analyze                # claims, report and scorecard cards, < 1 min
+    python -m kvcert.studies.study4 regenerate-check -n 5  # rerun 5 recorded examples per model and compare
 
 `run` refuses before study 4's lock exists (the lock precedes every record). Records:
 results/study4/<model>/answers.jsonl; analysis: results/study4/<model>/{claims.json, report.md}.
@@ -133,6 +134,52 @@ def analyze(root: Path = Path(".")) -> dict:
     return out
 
 
+SIGNAL_TOLERANCE = {"certificate": ("rel", 1e-3), "logprob": ("abs", 1e-3), "probe_error": ("rel", 1e-3)}
+IDENTICAL_SHARE = 0.95  # answers (compressed and full) identical in at least this share of regenerated rows
+
+
+def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 1) -> tuple[bool, str]:
+    """Regenerate the first n recorded examples (by id) of one model and compare them with the records: the share of
+    identical answers (compressed and full cache) and, on identical answers, each signal against its tolerance
+    (SIGNAL_TOLERANCE). Returns (passed, a Markdown report)."""
+    import pandas as pd
+    import torch
+
+    from kvcert.analysis.tables import markdown_table
+    from kvcert.hf import load_model
+    from kvcert.studies.study4_collect import example_rows, load_answers
+
+    records = load_answers(root / RESULTS / tag / "answers.jsonl")
+    design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(MODELS[tag])
+    by_id = {e.id: e for e in examples_for(design, tag, tokenizer)}
+    ids = sorted(set(records["example_id"]) & set(by_id))[:n]
+    new = pd.DataFrame([r for i in ids for r in example_rows(model, tokenizer, by_id[i], design["budgets"],
+                                                                model_name=MODELS[tag])])  # fmt: skip
+    both = records.merge(new, on=["example_id", "budget"], suffixes=("_published", "_regenerated"))
+    same = (both["answer_published"] == both["answer_regenerated"]) & (
+        both["full_answer_published"] == both["full_answer_regenerated"]
+    )
+    rows, passed = [], bool(same.mean() >= IDENTICAL_SHARE) if len(both) else False
+    rows.append(dict(item="identical answers", value=f"{int(same.sum())} / {len(both)}",
+                     tolerance=f">= {IDENTICAL_SHARE:.0%}", result="pass" if passed else "FAIL"))  # fmt: skip
+    for name, (kind, tol) in SIGNAL_TOLERANCE.items():
+        a, b = both.loc[same, f"{name}_published"], both.loc[same, f"{name}_regenerated"]
+        diff = (a - b).abs() / (a.abs().clip(lower=1e-12) if kind == "rel" else 1.0)
+        worst = float(diff.max()) if len(diff) else 0.0
+        ok = bool(worst <= tol) or bool(((a.isna()) & (b.isna())).all())
+        passed &= ok
+        rows.append(dict(item=f"{name} ({kind} difference, identical answers)", value=f"{worst:.2e}",
+                         tolerance=f"<= {tol:g}", result="pass" if ok else "FAIL"))  # fmt: skip
+    text = "\n\n".join([
+        f"# Study 4 regeneration check: {MODELS[tag]}",
+        f"{len(ids)} examples (the first by id), {len(both)} rows: **{'PASS' if passed else 'FAIL'}**",
+        markdown_table(pd.DataFrame(rows)),
+    ]) + "\n"  # fmt: skip
+    return passed, text
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -141,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", required=True, choices=sorted(MODELS))
     r.add_argument("--threads", type=int, default=1)
     sub.add_parser("analyze", help="claims and reports from the records")
+    g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
+    g.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
     if args.cmd == "select":
         design = select()
@@ -148,6 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump({t: m["tasks"] for t, m in design["models"].items()}), end="")
     elif args.cmd == "run":
         print(f"wrote {run(args.model, args.threads)}")
+    elif args.cmd == "regenerate-check":
+        ok = True
+        for tag in MODELS:
+            if (RESULTS / tag / "answers.jsonl").is_file():
+                passed, text = regeneration_check(tag, args.n)
+                (RESULTS / tag / "regeneration_check.md").write_text(text)
+                print(text)
+                ok &= passed
+        return 0 if ok else 1
     else:
         for tag, claims in analyze().items():
             for cid, c in claims.items():
