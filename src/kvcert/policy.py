@@ -10,6 +10,14 @@ window of `window_question` (always kept), and off by default for the other scor
 The defaults reproduce the scorers' earlier implicit behaviour, and the label (the record's `variant`) only names
 the two fields when they differ from the scorer's default.
 `none` + design `full` is the full-cache reference (budget 1.0).
+
+Two choices beside the design (the defaults keep every earlier output and label unchanged):
+- `allocation`: how a layer's budget is shared across its KV heads, "uniform" (every head the same count) or
+  "adakv" (by score mass, AdaKV; kvcert.core.allocation). The certificate stays per head.
+- `recompress_every`: None, or N: during decoding the cache (kept prompt tokens + tokens generated since) is
+  compressed back to the prompt compression's size every N decode steps (kvpress's DecodingPress;
+  kvcert.core.recompress, docs/decoding_compression.md). A policy field, not a decoding option, because it changes
+  what is kept and what pi means (the product over a token's draws).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
+from kvcert.core.allocation import ALLOCATIONS
 from kvcert.core.designs import DESIGN_SPECS
 from kvcert.core.scorers import SCORERS
 
@@ -44,6 +53,8 @@ class Policy:
     seed: int = 0
     compress_after: str | None = None  # None: the scorer's default (see module docstring)
     protect_question: bool | None = None  # None: the scorer's default
+    allocation: str = "uniform"  # uniform | adakv: how a layer's budget is shared across its KV heads
+    recompress_every: int | None = None  # N: re-compress the cache to the budget every N decode steps
 
     def __post_init__(self):
         if self.scorer not in SCORER_NAMES:
@@ -58,6 +69,11 @@ class Policy:
             raise ValueError(f"floor must be in [0, 1], got {self.floor!r}")
         if not self.score_power > 0:
             raise ValueError(f"score_power must be > 0, got {self.score_power!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {list(ALLOCATIONS)}, got {self.allocation!r}")
+        n = self.recompress_every
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"recompress_every must be None or an integer >= 1, got {n!r}")
         if (self.design == "full") != (self.scorer == "none"):
             raise ValueError("the full-cache reference is scorer 'none' with design 'full' (and only that pair)")
         if self.compress_after is None:
@@ -76,6 +92,10 @@ class Policy:
                 "protect_question applies to compress_after=prompt (after the context the question "
                 "is not in the cache yet)"
             )
+        if self.is_full and (self.allocation != "uniform" or self.recompress_every is not None):
+            raise ValueError("the full-cache reference keeps everything: allocation and recompress_every do not apply")
+        if self.recompress_every is not None and self.scorer == "streaming":
+            raise ValueError("recompress_every needs a scorer that reads keys or queries; streaming reads positions")
 
     @property
     def is_full(self) -> bool:
@@ -107,6 +127,10 @@ class Policy:
             when += f"/after-{self.compress_after}"
         if self.protect_question != default_protect_question(self.scorer):
             when += "/protect-q" if self.protect_question else "/evict-q"
+        if self.allocation != "uniform":
+            when += f"/{self.allocation}"
+        if self.recompress_every is not None:
+            when += f"/re{self.recompress_every}"
         return f"{self.scorer}/{self.design}/b{self.budget:g}{rand}{when}"
 
     def generator_seed(self, example_id: str) -> int:

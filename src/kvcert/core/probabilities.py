@@ -6,9 +6,15 @@ import torch
 
 
 def inclusion_probabilities(
-    scores: torch.Tensor, candidates: torch.Tensor, expected_size: float, *, floor: float, score_power: float
+    scores: torch.Tensor,
+    candidates: torch.Tensor,
+    expected_size: float | torch.Tensor,
+    *,
+    floor: float,
+    score_power: float,
 ) -> torch.Tensor:
-    """Solve pi over the candidate tokens of every row (float64, 0 outside the candidates).
+    """Solve pi over the candidate tokens of every row (float64, 0 outside the candidates); expected_size is one
+    number or one per row (..., ) (a head-wise allocation gives every head its own tail size).
 
     u_i = (1 - floor) * s_i^power / sum_cand(s^power) + floor / n_cand  (the floor keeps every pi_i > 0),
     pi_i = min(1, c u_i) with c chosen so that sum_cand pi_i = expected_size exactly (iterated cap, done in closed
@@ -22,7 +28,8 @@ def inclusion_probabilities(
     share = torch.where(total > 0, s / total.clamp_min(1e-300), uniform)
     u = (1.0 - floor) * share + floor * uniform
 
-    t = float(expected_size)
+    # a per-row size broadcasts as (..., 1) against the (..., n) columns; one size stays a Python float
+    t = expected_size.double().unsqueeze(-1) if isinstance(expected_size, torch.Tensor) else float(expected_size)
     u_sorted = u.sort(dim=-1, descending=True).values
     before = u_sorted.cumsum(-1) - u_sorted  # mass of the k larger u, k = column index
     k = torch.arange(u.shape[-1], device=u.device, dtype=torch.float64)
@@ -35,7 +42,9 @@ def inclusion_probabilities(
     c = torch.where(ok.any(-1, keepdim=True), c, torch.full_like(c, float("inf")))
     pi = torch.where(u > 0, torch.minimum(c * u, torch.ones_like(u)), torch.zeros_like(u))
     pi = torch.where(torch.as_tensor(t >= n_cand, device=u.device), candidates.double(), pi)
-    if t <= 0:
+    if isinstance(t, torch.Tensor):
+        pi = torch.where(t <= 0, torch.zeros_like(pi), pi)
+    elif t <= 0:
         pi = torch.zeros_like(pi)
     return pi * candidates
 

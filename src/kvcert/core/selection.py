@@ -39,7 +39,17 @@ def keep_count(budget: float, n: int) -> int:
     return min(n, max(0, round(budget * n)))
 
 
-def check_design_inputs(scores: torch.Tensor, n_keep: int, tail_fraction: float, floor: float, score_power: float):
+Counts = int | torch.Tensor  # one count for every row, or one per row (..., ) (a head-wise allocation, AdaKV)
+
+
+def check_design_inputs(
+    scores: torch.Tensor,
+    n_keep: Counts,
+    tail_fraction: float,
+    floor: float,
+    score_power: float,
+    candidates: torch.Tensor | None = None,
+):
     if scores.dim() < 1 or scores.shape[-1] == 0:
         raise ValueError(f"scores must have shape (..., n) with n >= 1, got {tuple(scores.shape)}")
     if not torch.isfinite(scores).all():
@@ -47,8 +57,18 @@ def check_design_inputs(scores: torch.Tensor, n_keep: int, tail_fraction: float,
     if (scores < 0).any():
         raise ValueError("scores must be non-negative")
     n = scores.shape[-1]
-    if not isinstance(n_keep, int) or not 0 <= n_keep <= n:
+    if isinstance(n_keep, torch.Tensor):
+        if n_keep.shape != scores.shape[:-1] or n_keep.dtype != torch.long:
+            raise ValueError(f"per-row n_keep must be a long tensor of shape {tuple(scores.shape[:-1])}")
+        if ((n_keep < 0) | (n_keep > n)).any():
+            raise ValueError(f"per-row n_keep must lie in [0, {n}]")
+    elif not isinstance(n_keep, int) or not 0 <= n_keep <= n:
         raise ValueError(f"n_keep must be an int in [0, {n}], got {n_keep!r}")
+    if candidates is not None:
+        if candidates.shape != scores.shape or candidates.dtype != torch.bool:
+            raise ValueError(f"candidates must be a bool mask of shape {tuple(scores.shape)}")
+        if (torch.as_tensor(n_keep) > candidates.sum(-1)).any():
+            raise ValueError("n_keep exceeds the number of candidates of a row")
     if not 0.0 <= tail_fraction < 1.0:
         raise ValueError(f"tail_fraction must be in [0, 1), got {tail_fraction!r}")
     if not 0.0 <= floor <= 1.0:
@@ -57,8 +77,17 @@ def check_design_inputs(scores: torch.Tensor, n_keep: int, tail_fraction: float,
         raise ValueError(f"score_power must be > 0, got {score_power!r}")
 
 
-def top_head(scores: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Boolean mask of the n_head highest scores per row (ties to the earlier position, deterministic)."""
+def top_head(scores: torch.Tensor, n_head: Counts, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask of the n_head highest scores per row (ties to the earlier position, deterministic); n_head may
+    be one count per row. candidates: only these entries can be chosen (non-candidates rank below every score)."""
+    if candidates is not None:
+        scores = scores.masked_fill(~candidates, -1.0)  # scores are >= 0: a non-candidate ranks last
+    if isinstance(n_head, torch.Tensor):  # rank of every entry in its row, kept where rank < the row's count
+        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(
+            -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous()
+        )
+        return rank < n_head.unsqueeze(-1)
     head = torch.zeros_like(scores, dtype=torch.bool)
     if n_head > 0:
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n_head]
@@ -66,8 +95,12 @@ def top_head(scores: torch.Tensor, n_head: int) -> torch.Tensor:
     return head
 
 
-def split_head_tail(n_keep: int, tail_fraction: float) -> tuple[int, int]:
-    """Deterministic head size and expected tail size of a budget of n_keep tokens."""
+def split_head_tail(n_keep: Counts, tail_fraction: float) -> tuple[Counts, Counts]:
+    """Deterministic head size and expected tail size of a budget of n_keep tokens (per row when a tensor; torch's
+    round, like Python's, rounds halves to even)."""
+    if isinstance(n_keep, torch.Tensor):
+        n_head = n_keep - torch.round(n_keep.double() * tail_fraction).long()
+        return n_head, n_keep - n_head
     n_head = n_keep - round(tail_fraction * n_keep)
     return n_head, n_keep - n_head
 

@@ -10,6 +10,10 @@ for the oracle anyway), `select_layers` any subset of layers (serving mode compr
 forward). A policy's random numbers (`PolicyDraws`) are drawn up front for every layer, in the order the all-layer
 call draws them, so both keep exactly the same tokens for the same keys.
 
+Head-wise budgets (`Policy.allocation="adakv"`): the heads of a layer keep different counts; every layer's kept
+tokens are padded to its widest head (padding: index 0, offset -inf, never attended) and the decode buffers to the
+widest row (kvcert.hf.compressed_batch), so the memory held (`kvcert.serve.generate.kv_bytes`) counts that padding.
+
 Sliding-window layers (Gemma 2/3, Mistral-style, gpt-oss-style alternating layers) are not compressed: their window
 already bounds their cache, so they keep exactly the last `window - 1` tokens before the next position (every
 policy, pi = 1, no certificate), and a budget applies to the full-attention layers only.
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvcert.core import get_design, keep_count
+from kvcert.core.allocation import allocate
 from kvcert.core.designs import DESIGN_SPECS
 from kvcert.core.probabilities import uniform_draws
 from kvcert.core.scorers import SCORERS, random_scores
@@ -124,9 +129,12 @@ def select_layers(
             )
         if score_cache is not None and policy.scorer != "random":
             score_cache[key] = scores
+    scores = scores.float().clamp_min(0)
+    # the per-head counts (uniform: plan.n_keep for every head; adakv: shared by score mass within each layer)
+    n_keep = allocate(policy.allocation, scores, plan.n_keep)
     sel = get_design(policy.design)(
-        scores.float().clamp_min(0),
-        plan.n_keep,
+        scores,
+        n_keep,
         tail_fraction=policy.tail_fraction,
         floor=policy.floor,
         score_power=policy.score_power,

@@ -13,11 +13,13 @@ from functools import cache
 
 import torch
 
+from kvcert.core.selection import keep_count
 from kvcert.hf.attention import forward_with_state, kvcert_attention_on, layer_windows
 from kvcert.hf.compress import Compressed
 from kvcert.hf.compressed_state import Bucket, CompressedState
 from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
 from kvcert.hf.layer_buffers import LayerBuffers, layer_groups
+from kvcert.hf.recompress import RowRecompress
 from kvcert.policy import Policy
 
 
@@ -38,18 +40,30 @@ def _buckets(
     options: DecodeOptions,
     oracle,
     first: torch.Tensor | None,
+    example_id: str = "",
 ) -> tuple[list[int], list[Bucket], list[Compressed], torch.Tensor]:
     """One compression time's rows in buckets of similar width; `first`: the full prefill's last logits (after the
     prompt), or None: the rows read the question, chat suffix and answer prefix through their caches now."""
     n = len(input_ids)
     region = n if first is not None else qs
     certified = {i: policies[i].has_certificate for i in rows}
-    groups = _by_width(rows, comps, certified)
+    groups = _by_width(rows, comps, certified, {i: policies[i].recompress_every for i in rows})
     rows = [i for g in groups for i in g]
     capacity = (n - region) + options.max_new_tokens + 1
     windows = layer_windows(model)
+    recompress = {i: _recompress_row(policies[i], region, example_id, options) for i in rows}
+    if any(recompress.values()) and any(w is not None for w in windows):
+        raise ValueError("recompress_every on a model with sliding-window layers is not supported")
     buckets = [
-        _build_bucket([comps[i] for i in g], [policies[i] for i in g], kept(comps, g), windows, capacity, oracle)
+        _build_bucket(
+            [comps[i] for i in g],
+            [policies[i] for i in g],
+            kept(comps, g),
+            windows,
+            capacity,
+            oracle,
+            [recompress[i] for i in g] if recompress[g[0]] is not None else None,
+        )  # fmt: skip
         for g in groups
     ]
     if first is not None:
@@ -74,15 +88,22 @@ def _batch(model, policies: list[Policy], parts: list[tuple], backend: str, star
 
 
 def _by_width(
-    rows: list[int], comps: dict[int, Compressed], certified: dict[int, bool], ratio: float = 0.6
+    rows: list[int],
+    comps: dict[int, Compressed],
+    certified: dict[int, bool],
+    every: dict[int, int | None] | None = None,
+    ratio: float = 0.6,
 ) -> list[list[int]]:
-    """Rows with and without a certificate apart (top-k and full-cache rows then cost no certificate work), each
-    sorted by kept width, widest first, and cut into buckets whose narrowest row keeps at least `ratio` of the widest
-    one's tokens (padding inside a bucket stays under 1 / ratio)."""
+    """Rows with and without a certificate apart (top-k and full-cache rows then cost no certificate work), and
+    rows of different `recompress_every` apart (a bucket re-compresses all its rows at once), each sorted by kept
+    width, widest first, and cut into buckets whose narrowest row keeps at least `ratio` of the widest one's tokens
+    (padding inside a bucket stays under 1 / ratio)."""
     width = {i: max(ix.shape[-1] for ix in comps[i].indices) for i in rows}
+    every = every or {}
+    kind = {i: (certified[i], every.get(i) or 0) for i in rows}
     groups: list[list[int]] = []
-    for i in sorted(rows, key=lambda r: (not certified[r], -width[r])):
-        if groups and certified[i] == certified[groups[-1][0]] and width[i] >= ratio * width[groups[-1][0]]:
+    for i in sorted(rows, key=lambda r: (not certified[r], every.get(r) or 0, -width[r])):
+        if groups and kind[i] == kind[groups[-1][0]] and width[i] >= ratio * width[groups[-1][0]]:
             groups[-1].append(i)
         else:
             groups.append([i])
@@ -151,6 +172,7 @@ def _build_bucket(
     layer_windows: list[int | None],
     capacity: int,
     oracle: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None,
+    recompress: list[RowRecompress] | None = None,
 ) -> Bucket:
     """Every variant's kept tokens in one set of buffers per layer, in the model's dtype (offsets and 1 - pi in
     float32), keys stored (d, slots). The compressed layers share one width and one tail length (the widest row's),
@@ -209,7 +231,18 @@ def _build_bucket(
             for local, layer in enumerate(group):
                 layers[layer].oracle_keys, layers[layer].oracle_values = own[0][local], own[1][local]
             oracle_parts.append((*oracle(group), *own))
-    return Bucket(layers, certificate_rows=[p.has_certificate for p in policies], oracle=oracle_parts)
+    return Bucket(
+        layers, certificate_rows=[p.has_certificate for p in policies], oracle=oracle_parts, recompress=recompress
+    )
+
+
+def _recompress_row(policy: Policy, region: int, example_id: str, options: DecodeOptions) -> RowRecompress | None:
+    """A row's re-compression during decoding (kvcert.hf.recompress), None when its policy has none: back to the
+    prompt compression's size per head, keep_count(budget, region), always-kept tokens included."""
+    if policy.recompress_every is None:
+        return None
+    target = keep_count(policy.budget, region)
+    return RowRecompress.of(policy, target, example_id, window=options.context_window, pool_kernel=options.pool_kernel)
 
 
 def resolve_backend(backend: str, like: torch.Tensor, config) -> str:

@@ -28,6 +28,7 @@ class Bucket:
         *,
         certificate_rows: list[bool],
         oracle: list[tuple] | None = None,
+        recompress: list | None = None,
     ):
         """certificate_rows: per row, whether its policy has a certificate (False: variance NaN, as for top-k and
         the full cache); oracle: per layer group (in `layer_groups(layers)` order) the (prefix K^T, prefix V, own
@@ -39,6 +40,17 @@ class Bucket:
         self.certified = any(self.certificate_flags)  # a bucket of top-k / full-cache rows has no certificate work
         self.has_oracle = oracle is not None
         self.position = 0  # absolute position of the next token (set by the state)
+        self.recompress = recompress  # per row (kvcert.hf.recompress.RowRecompress), or None: never re-compressed
+        self.recent: dict[int, torch.Tensor] = {}  # layer -> its last queries (B, Hq, w, d), for a re-compression
+        self.regroup(oracle)
+        self.scale = 1.0
+
+    def regroup(self, oracle: list[tuple] | None = None) -> None:
+        """The layer groups of the buffers' current slot layout (again after a re-compression, which keeps each
+        group's oracle parts: the full prefix and the rows' own tokens do not change)."""
+        layers = self.layers
+        if oracle is None and self.has_oracle:
+            oracle = [grp.oracle for grp in self.groups]
         self.groups = [
             LayerGroup(idx, [layers[i] for i in idx], oracle[k] if oracle else None, self.certified)
             for k, idx in enumerate(layer_groups(layers))
@@ -47,7 +59,26 @@ class Bucket:
         # the groups' layers back in model order, for the statistics of a model with several slot layouts
         layer_of_row = [layer for grp in self.groups for layer in grp.layers]
         self.layer_order = torch.tensor(layer_of_row, device=layers[0].keys.device).argsort()
-        self.scale = 1.0
+
+    def due(self, step: int) -> bool:
+        """Whether this bucket's rows re-compress before decode step `step` (every N steps, never before the first)."""
+        return bool(self.recompress) and step > 0 and step % self.recompress[0].policy.recompress_every == 0
+
+    def remember(self, layer: int, query: torch.Tensor, scale: float) -> None:
+        """Keep the layer's last queries (B, Hq, t, d) for a window scorer's re-compression."""
+        if not self.recompress:
+            return
+        w = self.recompress[0].window
+        old = self.recent.get(layer)
+        q = query.detach().float()
+        self.recent[layer] = (q if old is None else torch.cat([old, q], dim=2))[:, :, -w:]
+        self.scale = scale
+
+    def recent_queries(self, row: int) -> torch.Tensor | None:
+        """Row `row`'s recent queries of every layer (L, Hq, w, d), None before any were seen."""
+        if len(self.recent) != len(self.layers):
+            return None
+        return torch.stack([self.recent[i][row] for i in range(len(self.layers))])
 
     @property
     def batch_size(self) -> int:
@@ -62,6 +93,9 @@ class Bucket:
         for grp in self.groups:
             grp.keep_rows(index, [self.layers[i] for i in grp.layers])
         self.certificate_flags = [self.certificate_flags[i] for i in rows]
+        if self.recompress:
+            self.recompress = [self.recompress[i] for i in rows]
+            self.recent = {layer: q.index_select(0, index) for layer, q in self.recent.items()}
         self.certificate_rows = self.certificate_rows.index_select(0, index)
         self.certified = any(self.certificate_flags)
 
@@ -193,6 +227,7 @@ class CompressedState:
         self.stats: dict[str, torch.Tensor] | None = None  # this step's statistics (layers, B, Hq), after a forward
         self.want_stats = False  # set by the decoder around a step it wants statistics of
         self.position = 0  # absolute position of the first new token (set by forward_with_state)
+        self.peak_bytes = 0  # the most the keys and values held across re-compressions (0: none happened)
 
     @property
     def batch_size(self) -> int:
@@ -230,6 +265,10 @@ class CompressedState:
             raise RuntimeError(
                 f"layer {layer}: the model's sliding window ({window}) is not the cache's ({self.layers[layer].window})"
             )
+        start = 0
+        for bucket in self.buckets:  # recent queries, for the buckets that re-compress during decoding
+            bucket.remember(layer, query[start : start + bucket.batch_size], scale)
+            start += bucket.batch_size
         single = self.want_stats and query.shape[-2] == 1
         if single and self.backend == "compiled" and window is None:
             return self._attend_compiled(layer, query, key, value, scale)
@@ -275,6 +314,26 @@ class CompressedState:
             bucket.written(layer, q[start : start + bucket.batch_size], scale, var)
             start += bucket.batch_size
         return out.reshape(bsz, n_q, 1, d).to(query.dtype)
+
+    def held_bytes(self) -> int:
+        """Bytes of the keys and values the buffers hold now (padding and reserved slots included)."""
+        return sum(
+            buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
+            for bucket in self.buckets
+            for buf in bucket.layers
+        )
+
+    def recompress(self, step: int) -> None:
+        """Before decode step `step`: re-compress the buckets whose policy's recompress_every divides it."""
+        due = [b for b in self.buckets if b.due(step)]
+        if not due:
+            return
+        from kvcert.hf.recompress import recompress_bucket
+
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
+        for bucket in due:
+            recompress_bucket(bucket)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes())
 
     def finish_step(self) -> None:
         """After a forward with statistics: every bucket's statistics of all layers -> `stats` (layers, B, Hq),

@@ -186,6 +186,7 @@ def decode_batch(
             state.keep_rows(keep)
             tok = tok.index_select(0, device_index(keep, dev))
             active = [active[i] for i in keep]
+        state.recompress(step)  # policies with recompress_every: back to the budget every N steps
         state.want_stats = True
         every = options.tight_radius_every
         state.trace_c2_refresh = None if every == 1 else step % every == 0

@@ -151,7 +151,19 @@ class Prefill:
             oracle = (lambda group, region=region: self.oracle_prefix(region, group)) if options.oracle else None
             first = self.last_logits if when == "prompt" else None
             parts.append(
-                _buckets(self.model, self.input_ids, qs, rows, policies, comps, self._kept, options, oracle, first)
+                _buckets(
+                    self.model,
+                    self.input_ids,
+                    qs,
+                    rows,
+                    policies,
+                    comps,
+                    self._kept,
+                    options,
+                    oracle,
+                    first,
+                    example_id=self.example_id,
+                )  # fmt: skip
             )
         return _batch(self.model, policies, parts, backend, n)
 

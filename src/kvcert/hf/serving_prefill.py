@@ -152,7 +152,10 @@ def compress_while_reading(
     for when, rows, _, reader in readers:
         comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
         first = logits if when == "prompt" else None
-        parts.append(_buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first))
+        example = example_id if example_id is not None else _example_id(prompt)
+        parts.append(
+            _buckets(model, ids_list, qs, rows, policies, comps, reader.kept, options, None, first, example_id=example)
+        )
     batch = _batch(model, policies, parts, backend, n)
     if probe:
         batch.probes = {i: r.probes[i] for _, rows, _, r in readers for i in rows}

@@ -35,6 +35,7 @@ FORMAT = "kvcert-calibration/1"
 DEFAULT_SEED = 5000  # calibration examples; the escalation study uses 6000 onwards
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
 POLICY_FIELDS = ("scorer", "design", "tail_fraction", "floor", "score_power")
+POLICY_DEFAULTS = {"allocation": "uniform", "recompress_every": None}  # matched too; absent from older files
 
 
 class CalibrationError(ValueError):
@@ -90,6 +91,9 @@ class Calibration:
         mine = {k: getattr(policy, k) for k in POLICY_FIELDS}
         if any(mine[k] != self.policy.get(k) for k in POLICY_FIELDS):
             return f"it was fitted for policy {self.policy}, not {mine}"
+        for k, default in POLICY_DEFAULTS.items():  # files written before these fields were fitted at the defaults
+            if getattr(policy, k) != self.policy.get(k, default):
+                return f"it was fitted for {k}={self.policy.get(k, default)!r}, not {getattr(policy, k)!r}"
         lo, hi = min(self.budgets), max(self.budgets)
         if not lo - 1e-9 <= budget <= hi + 1e-9:
             return f"it was fitted for budgets {lo:g}-{hi:g}, not {budget:g}"

@@ -196,13 +196,10 @@ def full_cache_bytes(model, prompt_tokens: int, max_new_tokens: int) -> int:
 
 
 def kv_bytes(batch) -> int:
-    """Bytes of the keys and values a CompressedBatch holds: every bucket and layer, padding and the slots reserved
-    for the tokens still to come included."""
-    return sum(
-        buf.keys.numel() * buf.keys.element_size() + buf.values.numel() * buf.values.element_size()
-        for bucket in batch.state.buckets
-        for buf in bucket.layers
-    )
+    """Bytes of the keys and values a CompressedBatch holds: every bucket and layer, padding (a head-wise allocation
+    pads every head to the widest) and the slots reserved for the tokens still to come included; after a decode
+    that re-compressed (Policy.recompress_every), the most it held at any re-compression."""
+    return max(batch.state.held_bytes(), batch.state.peak_bytes)
 
 
 @torch.no_grad()
@@ -312,6 +309,7 @@ def generate(
             stream.probe_error = found.error
             probe_result = probe_result or found
         trigger = stream.segment(batch, opts, current)
+        kv_held = max(kv_held, kv_bytes(batch))  # re-compressions during the decode reallocate the buffers
         if trigger is None:
             break
         at, why = trigger

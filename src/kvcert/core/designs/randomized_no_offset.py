@@ -10,18 +10,19 @@ from __future__ import annotations
 import torch
 
 from kvcert.core.designs.randomized import select as randomized_select
-from kvcert.core.selection import Selection
+from kvcert.core.selection import Counts, Selection
 
 
 def select(
     scores: torch.Tensor,
-    n_keep: int,
+    n_keep: Counts,
     *,
     tail_fraction: float = 0.5,
     floor: float = 0.2,
     score_power: float = 1.0,
     generator: torch.Generator | None = None,
     draws: torch.Tensor | None = None,
+    candidates: torch.Tensor | None = None,
 ) -> Selection:
     return randomized_select(
         scores,
@@ -33,4 +34,5 @@ def select(
         draws=draws,
         offset=False,
         design="randomized_no_offset",
+        candidates=candidates,
     )
