@@ -104,6 +104,9 @@ def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
     from kvcert.reproduce import settings
     from kvcert.studies.scorecard import combined_scorecard, write_combined
+    from kvcert.studies.study4 import scorecard_cards
+
+    cards = {**cards, **scorecard_cards(ROOT)}  # study 4's columns, once its records are complete
 
     power = {cid: {"target_n": n} for cid, n in STUDY2_POWER_TARGET_N.items()} if "study2" in cards else None
     secondary = cards.get("study2", {}).get("secondary")

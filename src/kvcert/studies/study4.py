@@ -108,8 +108,59 @@ def run(tag: str, threads: int = 1, root: Path = Path(".")) -> Path:
     return collect(model, tokenizer, examples, design["budgets"], root / RESULTS / tag, model_name=MODELS[tag])
 
 
-def analyze(root: Path = Path(".")) -> dict:
-    """Every model with records: its claims (claims.json) and report (report.md); returns {tag: claims}."""
+def planned_examples(design: dict, tag: str) -> int:
+    spec = design["models"][tag]
+    return len(spec["tasks"]) * len(design["lengths"]) * int(spec["n_per_cell"])
+
+
+def complete(tag: str, root: Path = Path(".")) -> bool:
+    """Whether a model's records hold every planned example (claims are decided only then)."""
+    from kvcert.studies.study4_collect import load_answers
+
+    path, design_path = root / RESULTS / tag / "answers.jsonl", root / PREREG / "design.yaml"
+    if not path.is_file() or not design_path.is_file():
+        return False
+    design = yaml.safe_load(design_path.read_text())
+    return load_answers(path)["example_id"].nunique() >= planned_examples(design, tag)
+
+
+def scorecard_cards(root: Path = Path(".")) -> dict[str, dict]:
+    """Study 4's columns for the combined scorecard ({"study4_<model>": {"lock", "claims"}}), from the claims.json
+    of models whose records are complete; {} before that."""
+    from kvcert.prereg import verify
+
+    cards = {}
+    for tag in MODELS:
+        path = root / RESULTS / tag / "claims.json"
+        if not path.is_file() or not complete(tag, root):
+            continue
+        result = json.loads(path.read_text())
+        predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())["claims"]
+        claims = []
+        for cid, c in result["claims"].items():
+            spec = predictions[cid]
+            claims.append(
+                dict(
+                    id=cid,
+                    claim=spec["claim"],
+                    verdict=c["verdict"],
+                    observed=c["estimate"],
+                    ci=[c["lo"], c["hi"]],
+                    unit=spec.get("unit", ""),
+                    n_examples=c.get("n"),
+                    prediction=spec.get("prediction"),
+                    paper_verdict=spec.get("paper_verdict"),
+                    paper_value=spec.get("paper_value"),
+                    details={"ci_kind": "95% paired bootstrap"},
+                )
+            )
+        cards[f"study4_{tag}"] = {"lock": verify(root, study="study4"), "claims": claims}
+    return cards
+
+
+def analyze(root: Path = Path("."), partial: bool = False) -> dict:
+    """Every model with complete records (or any records, with partial=True: an interim look, labelled so in the
+    report and never written as claims.json): its claims (claims.json) and report (report.md); {tag: claims}."""
     from kvcert.analysis.scorecard import jsonable
     from kvcert.studies.study4_analysis import report
     from kvcert.studies.study4_claims import evaluate_claims
@@ -120,10 +171,18 @@ def analyze(root: Path = Path(".")) -> dict:
         path = root / RESULTS / tag / "answers.jsonl"
         if not path.is_file():
             continue
+        if not complete(tag, root) and not partial:
+            print(f"study4 {tag}: records incomplete; no claims decided (interim look: analyze --partial)")
+            continue
         answers = load_answers(path)
         predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())
         claims = evaluate_claims(answers, predictions)
         n_examples = int(answers["example_id"].nunique())
+        if not complete(tag, root):  # an interim look: labelled, and never the claims file the scorecard reads
+            text = report(answers, f"Study 4, {MODELS[tag]}: INTERIM look at {n_examples} examples (not a result)")
+            (root / RESULTS / tag / "interim_report.md").write_text(text)
+            out[tag] = claims
+            continue
         (root / RESULTS / tag / "claims.json").write_text(
             json.dumps(jsonable(dict(model=MODELS[tag], n_examples=n_examples, claims=claims)), indent=2) + "\n"
         )
@@ -187,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="the confirmatory records of one model (resumable)")
     r.add_argument("--model", required=True, choices=sorted(MODELS))
     r.add_argument("--threads", type=int, default=1)
-    sub.add_parser("analyze", help="claims and reports from the records")
+    a = sub.add_parser("analyze", help="claims and reports from complete records")
+    a.add_argument("--partial", action="store_true", help="an interim look at incomplete records (not a result)")
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
@@ -207,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                 ok &= passed
         return 0 if ok else 1
     else:
-        for tag, claims in analyze().items():
+        for tag, claims in analyze(partial=args.partial).items():
             for cid, c in claims.items():
                 print(f"{tag} {cid}: {c['verdict']} {c['estimate']:.3g} [{c['lo']:.3g}, {c['hi']:.3g}]")
     return 0
