@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -123,3 +124,61 @@ def test_the_run_refuses_before_the_lock(tmp_path):
 
     with pytest.raises(SystemExit, match="LOCK.json is missing: lock the study first"):
         run("smollm2", root=tmp_path)
+
+
+def test_claims_reach_the_scorecard_only_from_complete_records(tmp_path):
+    """An incomplete study-4 record set decides nothing (no card, analyze writes only an interim report); complete
+    records give a card per model with each claim's verdict and interval."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    from kvcert.studies.study4 import analyze, complete, scorecard_cards
+
+    prereg = tmp_path / "preregistration/study4"
+    prereg.mkdir(parents=True)
+    shutil.copy(Path("preregistration/study4/predictions_smollm2.yaml"), prereg)
+    design = dict(
+        seed=8000,
+        lengths=[1024],
+        budgets=[0.5, 0.25, 0.125],
+        models={"smollm2": dict(model="smollm2-135m-instruct", tasks={"word_needle": 1}, n_per_cell=40)},
+    )
+    (prereg / "design.yaml").write_text(yaml.safe_dump(design))
+    out = tmp_path / "results/study4/smollm2"
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for i in range(40):
+        full_kv, cert, full_ok = 1000.0, float(rng.random()), bool(rng.random() < 0.7)
+        for b in (0.5, 0.25, 0.125):
+            rows.append(
+                dict(
+                    example_id=f"word_needle-1024-s8000-{i:04d}",
+                    task="word_needle",
+                    context_tokens=1024,
+                    budget=b,
+                    correct=full_ok and cert < 0.6,
+                    full_correct=full_ok,
+                    certificate=cert,
+                    logprob=-float(rng.random()),
+                    probe_error=cert * b,
+                    kv_bytes=full_kv * b,
+                    full_kv_bytes=full_kv,
+                    prompt_tokens=1100,
+                )
+            )
+    lines = [json.dumps(r) for r in rows]
+    (out / "answers.jsonl").write_text("\n".join(lines[:60]) + "\n")  # 20 of 40 examples
+    assert not complete("smollm2", tmp_path)
+    assert analyze(tmp_path) == {} and scorecard_cards(tmp_path) == {}
+    assert analyze(tmp_path, partial=True) and (out / "interim_report.md").is_file()
+    assert not (out / "claims.json").exists()
+    (out / "answers.jsonl").write_text("\n".join(lines) + "\n")
+    claims = analyze(tmp_path)["smollm2"]
+    card = scorecard_cards(tmp_path)["study4_smollm2"]
+    assert {c["id"] for c in card["claims"]} == set(claims) >= {"P1", "C5", "P5"}
+    c5 = next(c for c in card["claims"] if c["id"] == "C5")
+    assert c5["verdict"] in ("supported", "refuted", "inconclusive") and c5["ci"][0] <= c5["observed"] <= c5["ci"][1]
