@@ -182,3 +182,26 @@ def test_claims_reach_the_scorecard_only_from_complete_records(tmp_path):
     assert {c["id"] for c in card["claims"]} == set(claims) >= {"P1", "C5", "P5"}
     c5 = next(c for c in card["claims"] if c["id"] == "C5")
     assert c5["verdict"] in ("supported", "refuted", "inconclusive") and c5["ci"][0] <= c5["observed"] <= c5["ci"][1]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from kvcert.hf import load_model
+
+    return load_model("smollm2-135m-instruct")
+
+
+def test_the_token_level_answer_continues_with_the_full_cache(smollm2):
+    """On the packaged model: an empty kept prefix gives the full cache's answer of the batched read, and kept tokens
+    that are the full cache's own first tokens continue into the same answer (greedy decoding is consistent)."""
+    from kvcert.studies.study4_collect import example_rows, token_level_answer
+    from kvcert.tasks import make_examples
+
+    model, tok = smollm2
+    example = make_examples("needle_reworded", 1, 300, tok, seed=8902)[0]
+    row = example_rows(model, tok, example, [0.5], model_name="smollm2-135m-instruct")[0]
+    full = token_level_answer(model, tok, example, [], model_name="smollm2-135m-instruct")
+    assert full["answer"] == row["full_answer"] and full["correct"] == row["full_correct"]
+    assert len(full["tokens"]) >= 3
+    cont = token_level_answer(model, tok, example, full["tokens"][:2], model_name="smollm2-135m-instruct")
+    assert cont["answer"] == full["answer"] and cont["kept"] == 2

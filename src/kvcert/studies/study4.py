@@ -3,6 +3,7 @@
     python -m kvcert.studies.study4 select                 # the level pilot -> preregistration/study4/design.yaml
     python -m kvcert.studies.study4 run --model smollm2    # confirmatory records (resumable), after the lock
     python -m kvcert.studies.study4 analyze                # claims, report and scorecard cards, < 1 min
+    python -m kvcert.studies.study4 token-reference --model smollm2  # today's token-level rule beside P1
     python -m kvcert.studies.study4 regenerate-check -n 5  # rerun 5 recorded examples per model and compare
 
 `run` refuses before study 4's lock exists (the lock precedes every record). Records:
@@ -183,14 +184,52 @@ def analyze(root: Path = Path("."), partial: bool = False) -> dict:
             (root / RESULTS / tag / "interim_report.md").write_text(text)
             out[tag] = claims
             continue
-        (root / RESULTS / tag / "claims.json").write_text(
-            json.dumps(jsonable(dict(model=MODELS[tag], n_examples=n_examples, claims=claims)), indent=2) + "\n"
-        )
+        ref_path = root / RESULTS / tag / "token_reference.jsonl"
+        reference = None
+        if ref_path.is_file():  # today's token-level rule beside P1 (not a claim)
+            from kvcert.studies.study4_claims import token_reference_difference
+
+            reference = token_reference_difference(answers, load_answers(ref_path), REFERENCE_BUDGET, REFERENCE_RATE)
+        result = dict(model=MODELS[tag], n_examples=n_examples, claims=claims, token_level_reference=reference)
+        (root / RESULTS / tag / "claims.json").write_text(json.dumps(jsonable(result), indent=2) + "\n")
         (root / RESULTS / tag / "report.md").write_text(
             report(answers, f"Study 4, {MODELS[tag]} ({n_examples} examples)")
         )
         out[tag] = claims
     return out
+
+
+REFERENCE_BUDGET, REFERENCE_RATE = 0.5, 0.2  # the token-level reference is computed beside P1 only
+
+
+def token_reference(tag: str, root: Path = Path("."), threads: int = 1) -> Path:
+    """Today's token-level certificate rule at P1's threshold (PLAN.md section 3): for every confirmatory example
+    whose answer crosses it at budget 0.5, the answer token-level escalation gives (one extra read and decode);
+    appended to results/study4/<tag>/token_reference.jsonl, resumable."""
+    import numpy as np
+    import torch
+
+    from kvcert.hf import load_model
+    from kvcert.studies.study4_claims import scored
+    from kvcert.studies.study4_collect import _append, _done, load_answers, token_level_answer
+
+    records = load_answers(root / RESULTS / tag / "answers.jsonl")
+    cal, conf = scored(records, REFERENCE_BUDGET)
+    threshold = float(np.quantile(cal["score_certificate"].dropna(), 1 - REFERENCE_RATE))
+    fired = conf[conf["score_certificate"] > threshold]
+    path = root / RESULTS / tag / "token_reference.jsonl"
+    todo = fired[~fired["example_id"].isin(_done(path))]
+    if todo.empty:
+        return path
+    design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
+    torch.set_num_threads(threads)
+    model, tokenizer = load_model(MODELS[tag])
+    by_id = {e.id: e for e in examples_for(design, tag, tokenizer)}
+    for _, row in todo.iterrows():
+        k = next(i for i, c in enumerate(row["token_certificates"]) if c > threshold)  # the firing token
+        out = token_level_answer(model, tokenizer, by_id[row["example_id"]], row["tokens"][:k], model_name=MODELS[tag])
+        _append(path, [dict(out, threshold=threshold, budget=REFERENCE_BUDGET, rate=REFERENCE_RATE)])
+    return path
 
 
 SIGNAL_TOLERANCE = {"certificate": ("rel", 1e-3), "logprob": ("abs", 1e-3), "probe_error": ("rel", 1e-3)}
@@ -248,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--threads", type=int, default=1)
     a = sub.add_parser("analyze", help="claims and reports from complete records")
     a.add_argument("--partial", action="store_true", help="an interim look at incomplete records (not a result)")
+    t = sub.add_parser("token-reference", help="today's token-level rule at P1's threshold (after the records)")
+    t.add_argument("--model", required=True, choices=sorted(MODELS))
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
@@ -257,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump({t: m["tasks"] for t, m in design["models"].items()}), end="")
     elif args.cmd == "run":
         print(f"wrote {run(args.model, args.threads)}")
+    elif args.cmd == "token-reference":
+        print(f"wrote {token_reference(args.model)}")
     elif args.cmd == "regenerate-check":
         ok = True
         for tag in MODELS:

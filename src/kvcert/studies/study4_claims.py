@@ -235,3 +235,23 @@ def evaluate_claim(answers: pd.DataFrame, spec: Mapping) -> dict:
 
 def evaluate_claims(answers: pd.DataFrame, predictions: Mapping) -> dict[str, dict]:
     return {cid: evaluate_claim(answers, spec) for cid, spec in predictions["claims"].items()}
+
+
+def token_reference_difference(answers: pd.DataFrame, reference: pd.DataFrame, budget: float, rate: float) -> dict:
+    """The token-level reference beside P1: accuracy of answer-level certificate escalation minus today's token-level
+    rule at the same threshold (they escalate the same examples; the token-level answer keeps the compressed prefix).
+    reference: `kvcert.studies.study4.token_reference`'s rows (example_id, correct)."""
+    cal, conf = scored(answers, budget)
+    answer_level, _ = policy_outcomes(conf, cal, "certificate", rate)
+    ref = dict(zip(reference["example_id"], reference["correct"].astype(bool)))
+    esc = answer_level["escalated"].to_numpy()
+    missing = [i for i, e in zip(conf["example_id"], esc) if e and i not in ref]
+    if missing:
+        raise ValueError(f"token reference incomplete: {len(missing)} escalated examples missing (run token-reference)")
+    token = np.where(esc, [ref.get(i, False) for i in conf["example_id"]], conf["correct"]).astype(float)
+    ca = answer_level["correct"].to_numpy()
+    ci = paired_difference(weighted_mean(ca), weighted_mean(token), conf["example_id"], N_BOOT, BOOT_SEED,
+                           diff=weighted_mean(ca - token))  # fmt: skip
+    d = ci["diff"].scaled(100)
+    return dict(estimate=d.estimate, lo=d.lo, hi=d.hi, answer_level=100 * ca.mean(), token_level=100 * token.mean(),
+                n=len(conf), escalated=int(esc.sum()))  # fmt: skip

@@ -130,9 +130,33 @@ def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_n
                 full_answer=full.answer,
                 token_certificates=certs,
                 token_logprobs=list(out.logprobs[:n]),
+                tokens=list(out.tokens[:n]),
             )
         )
     return rows
+
+
+def token_level_answer(model, tokenizer, example, prefix: list[int], *, model_name: str, seed: int = 0) -> dict:
+    """Today's token-level escalation (`scope="token"`) to the full cache, for an answer whose token `len(prefix)`
+    crossed the threshold: the compressed answer's tokens before it are kept, the prompt and those tokens are read
+    again with the full cache, and the answer continues there (what `kvcert.generate` does on such an escalation)."""
+    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
+    from kvcert.hf.decode import answer_length, eos_ids
+    from kvcert.hf.loading import EMBEDDED_MODELS, embedded_prompt_format
+    from kvcert.policy import FULL
+    from kvcert.tasks import render, score
+
+    fmt = embedded_prompt_format(model_name) if model_name in EMBEDDED_MODELS else "auto"
+    rendered = render(example, tokenizer, fmt)
+    ids, stops = list(rendered.input_ids), tuple(rendered.stop_strings)
+    opts = DecodeOptions(max_new_tokens=MAX_NEW_TOKENS - len(prefix), stop_strings=stops, oracle=False)
+    prompt = Prompt(input_ids=ids + list(prefix), question_start=int(rendered.question_start),
+                    example_id=f"kvcert-generate-{seed}")  # fmt: skip
+    out = compress_while_reading(model, prompt, [FULL], opts).decode(opts, tokenizer)[0]
+    tokens = list(prefix) + list(out.tokens)
+    n, text = answer_length(tokenizer, tokens, eos_ids(model, tokenizer), stops)
+    return dict(example_id=example.id, kept=len(prefix), answer=text, correct=bool(score(text, example)[1]),
+                tokens=tokens[:n])  # fmt: skip
 
 
 def _drop_partial_line(path: Path) -> None:
