@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers.utils import logging as hf_logging
 
 from kvcert.core import keep_count
 from kvcert.hf import DecodeOptions, Prefill, Prompt
@@ -165,6 +166,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    hf_logging.disable_progress_bar()
     model, tokenizer = load_model(MODEL)
     items = prompts(tokenizer, args.n, args.context_tokens, args.budget)
     spec = {

@@ -30,6 +30,7 @@ from kvpress import (
     TOVAPress,
 )
 from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.utils import logging as hf_logging
 
 PRESSES = {
     "SnapKVPress": lambda: SnapKVPress(),
@@ -45,7 +46,7 @@ EAGER = {"ObservedAttentionPress"}  # reads the attention weights, which only ea
 
 def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """(Hkv, m) sorted positions of the kept keys (Hkv, m, d) among the full keys (Hkv, n, d): exact copies."""
-    dist = torch.cdist(kept.double(), full.double())  # (Hkv, m, n)
+    dist = torch.cdist(kept.double(), full.double(), compute_mode="donot_use_mm_for_euclid_dist")  # (Hkv, m, n)
     best = dist.min(-1)
     if float(best.values.max()) > 0:
         raise RuntimeError("a kept key is no exact copy of a context key")
@@ -94,15 +95,14 @@ def main(argv: list[str]) -> int:
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
     for name in spec["presses"]:
         attn = "eager" if name in EAGER else "sdpa"
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation=attn)
         model.eval()
         kept, answers = run_press(model, name, spec["prompts"], spec["max_new_tokens"])
-        np.savez(out / f"{name}.npz", kept=kept, answers=answers)
-        print(
-            f"kvpress {name}: {kept.shape[0]} prompts, kept {kept.shape[-1]} of {spec['prompts'][0]['question_start']}"
-        )
+        np.savez(out / f"{name}.npz", answers=answers, **{f"kept_{i}": k for i, k in enumerate(kept)})
+        print(f"kvpress {name}: {len(kept)} prompts, (layers, Hkv, kept) {kept[0].shape} on prompt 0", flush=True)
     return 0
 
 
