@@ -163,3 +163,26 @@ def test_each_ported_scorer_runs_under_the_randomized_design_with_finite_certifi
     # the first token comes from reading the question (no certificate by design); every decode step has one
     assert len(out.steps) > 1 and all(math.isfinite(t.certificate) for t in out.steps[1:])
     assert all(math.isfinite(v) for t in out.steps[1:] for v in t.layers)
+
+
+def test_serving_and_verification_modes_give_the_ported_scorers_the_same_inputs():
+    """compress_while_reading builds ScorerInputs inside the prefill forward, Prefill.record from its captures: the
+    same kept tokens, hence the same answers, for every ported scorer, both compression times."""
+    from kvcert.hf import DecodeOptions, Prompt, generate_variants
+    from kvcert.testing import tiny_random_model
+
+    model, _ = tiny_random_model("qwen2")
+    ids = torch.randint(3, 128, (96,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = Prompt(input_ids=ids, question_start=70, example_id="ported")
+    policies = [
+        Policy(scorer=s, design=d, budget=0.4, compress_after=c)
+        for s in PORTED
+        for d in ("topk", "randomized")
+        for c in (("context",) if SCORERS[s].window == "context" else ("context", "prompt"))
+    ]
+    runs = [
+        generate_variants(model, None, prompt, policies, DecodeOptions(max_new_tokens=3, oracle=o, backend="torch"))
+        for o in (True, False)
+    ]
+    for p, a, b in zip(policies, *runs):
+        assert a.tokens == b.tokens and a.kept_tokens == b.kept_tokens, p.label
