@@ -12,7 +12,7 @@ PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock-deps regenerate-check gpu-check test test-fast lint smoke run pilot pilot-study3 lock verify-lock reproduce study3 study4 analyze bench cluster-check clean
+.PHONY: help install lock-deps regenerate-check gpu-check kvpress-check test test-fast lint smoke run pilot pilot-study3 lock verify-lock reproduce study3 study4 analyze bench cluster-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -119,6 +119,18 @@ bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--
 
 gpu-check: $(STAMP) ## on a GPU machine, under 5 minutes: the CUDA-marked tests and a small decode bench (-> results/bench/gpu_check.json)
 	$(PY) -m kvcert.bench.gpu_check
+
+# kvpress 0.5.5 needs transformers<5.3 (kvcert pins 5.24), so its side runs in a second environment built from
+# requirements/kvpress.lock alone (--no-deps), like .venv from requirements.lock; not part of `make test` nor CI.
+KVPRESS_VENV ?= .venv-kvpress
+$(KVPRESS_VENV)/.installed: requirements/kvpress.lock
+	rm -rf $(KVPRESS_VENV) && $(PYTHON) -m venv $(KVPRESS_VENV) \
+		&& $(KVPRESS_VENV)/bin/python -m pip install -q pip==$(PIP_VERSION) \
+		&& $(KVPRESS_VENV)/bin/python -m pip install -q --no-deps -r requirements/kvpress.lock $(PIP_ARGS)
+	touch $@
+
+kvpress-check: $(STAMP) $(KVPRESS_VENV)/.installed ## kvcert's ported scorers vs kvpress 0.5.5 itself (second env, N=8 prompts, ~15 min; ARGS="--n 16 ...")
+	$(PY) -m kvcert.bench.kvpress_check --kvpress-python $(KVPRESS_VENV)/bin/python $(ARGS)
 
 cluster-check: $(STAMP) ## install the cluster extra; a 2-cell sweep via submitit (local) and Ray (local head) must equal basic's records
 	$(PY) -m kvcert.bench.cluster_check --install

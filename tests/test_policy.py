@@ -27,7 +27,7 @@ def test_label_names_only_what_differs_from_the_scorers_default():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"scorer": "snapkv", "design": "topk", "budget": 0.5}, "scorer must be one of"),
+        ({"scorer": "no_such_scorer", "design": "topk", "budget": 0.5}, "scorer must be one of"),
         ({"scorer": "streaming", "design": "bogus", "budget": 0.5}, "design must be one of"),
         ({"scorer": "streaming", "design": "topk", "budget": 0.0}, "budget must be a fraction in (0, 1]"),
         ({"scorer": "streaming", "design": "randomized", "budget": 0.5, "tail_fraction": 1.0}, "tail_fraction"),
@@ -69,6 +69,9 @@ def test_registries_carry_metadata():
     assert {n: s.window for n, s in SCORERS.items() if s.window} == {
         "window_question": "question",
         "window_context": "context",
+        "snapkv": "context",
+        "critical_snapkv": "context",
+        "tova": "last",
     }
 
 

@@ -29,7 +29,7 @@ from kvcert.core import get_design, keep_count
 from kvcert.core.allocation import allocate
 from kvcert.core.designs import DESIGN_SPECS
 from kvcert.core.probabilities import uniform_draws
-from kvcert.core.scorers import SCORERS, random_scores
+from kvcert.core.scorers import SCORERS, ScorerInputs, random_scores
 from kvcert.policy import Policy
 
 
@@ -103,9 +103,11 @@ def select_layers(
     pool_kernel: int = 5,
     layer_windows: list[int | None] | None = None,
     score_cache: dict | None = None,
+    inputs: ScorerInputs | None = None,
 ) -> list[LayerKept]:
     """The kept tokens of `layers` (model indices) from their keys (len(layers), Hkv, >= lo, d) and, for window
-    scorers, the window's queries (len(layers), Hq, w, d)."""
+    scorers, the window's queries (len(layers), Hq, w, d); `inputs` (the same layers' region) for the scorers that
+    read it (ScorerSpec.reads_inputs: the ones ported from kvpress)."""
     n_layers, n_kv = len(layers), keys.shape[1]
     device = keys.device
     lo, hi, region = plan.lo, plan.hi, plan.region
@@ -118,13 +120,29 @@ def select_layers(
     n_forced = hi - lo
     # scores depend on the scorer, the candidates and the layers only, so policies that differ in design or budget
     # share them (random scores are the policy's own draws and never shared)
+    spec = SCORERS.get(policy.scorer)
     key = (policy.scorer, lo, (lo, hi), pool_kernel, tuple(layers))
+    if spec is not None and spec.reads_budget:
+        key += (plan.n_keep,)
     scores = score_cache.get(key) if score_cache is not None and policy.scorer != "random" else None
     if scores is None:
         if policy.scorer == "random":
             scores = draws.scores.to(device)
-        else:
-            scores = SCORERS[policy.scorer].score(
+        elif spec.reads_inputs:  # the ported kvpress scorers: the layer's whole cache and model tensors too
+            if inputs is None:
+                raise ValueError(f"scorer {policy.scorer!r} needs the layers' ScorerInputs")
+            scores = spec.score(
+                keys[:, :, :lo],
+                window_queries=window_queries,
+                scale=scale,
+                pool_kernel=pool_kernel,
+                generator=None,
+                inputs=inputs,
+                n_keep=plan.n_keep,
+                n_forced=n_forced,
+            )
+        else:  # the original scorers: called exactly as before
+            scores = spec.score(
                 keys[:, :, :lo], window_queries=window_queries, scale=scale, pool_kernel=pool_kernel, generator=None
             )
         if score_cache is not None and policy.scorer != "random":
@@ -194,12 +212,14 @@ def compress(
     pool_kernel: int = 5,
     layer_windows: list[int | None] | None = None,
     score_cache: dict | None = None,
+    inputs: ScorerInputs | None = None,
 ) -> Compressed:
     """Select the kept prompt tokens of every layer at once.
 
     region: tokens [0, region) of the recorded keys are the prompt at compression time.
     forced: (lo, hi) positions always kept (the observation window or the protected question), excluded from the
     candidates [0, lo); the budget (a fraction of `region`) counts them. None: every token is a candidate.
+    inputs: every layer's region for the scorers that read it (kvcert.hf.scorer_inputs), else None.
     """
     plan = Plan.of(policy, region=region, forced=forced)
     n_layers, n_kv = len(full_keys), full_keys[0].shape[1]
@@ -220,5 +240,6 @@ def compress(
         pool_kernel=pool_kernel,
         layer_windows=layer_windows,
         score_cache=score_cache,
+        inputs=inputs,
     )
     return assemble_layers(policy, plan, kept)

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 from kvcert.hf.decode import DecodeOptions, VariantResult
 from kvcert.hf.prefill import Prefill
+from kvcert.hf.scorer_inputs import reads_inputs
 from kvcert.hf.serving_prefill import compress_while_reading
 from kvcert.policy import Policy
 
@@ -29,7 +30,13 @@ def generate_variants(
     With the oracle on (verification mode) the full prompt is recorded once and kept for the oracle; with it off
     (serving mode) each layer is compressed inside the prefill forward and the full cache is never held."""
     if options.oracle:
-        prefill = Prefill.record(model, prompt, context_window=options.context_window, example_id=example_id)
+        prefill = Prefill.record(
+            model,
+            prompt,
+            context_window=options.context_window,
+            example_id=example_id,
+            capture_queries=reads_inputs(policies),
+        )
         batch = prefill.compress(policies, options)
     else:
         batch = compress_while_reading(model, prompt, policies, options, example_id=example_id)

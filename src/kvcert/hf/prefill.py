@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcert.core.scorers import SCORERS
 from kvcert.hf.attention import RecordState, attention_scale, forward_with_state, kvcert_attention_on, layer_windows
 from kvcert.hf.compress import Compressed, compress
 from kvcert.hf.compressed_batch import (
@@ -31,6 +32,7 @@ from kvcert.hf.compressed_batch import (
     resolve_backend,
 )
 from kvcert.hf.decode import DecodeOptions
+from kvcert.hf.scorer_inputs import ModelTensors
 from kvcert.policy import Policy
 
 
@@ -58,7 +60,7 @@ class Prefill:
     example_id: str  # seeds the design draws
     full_keys: list[torch.Tensor]  # per layer (1, Hkv, n, d)
     full_values: list[torch.Tensor]
-    window_queries: dict[str, list[torch.Tensor]]  # "question" / "context" -> per layer (1, Hq, w, d)
+    window_queries: dict[str, list[torch.Tensor]]  # "question" / "context" (/ "all") -> per layer (1, Hq, w, d)
     context_window: tuple[int, int]  # the question-agnostic scorer's window [lo, hi) (last context tokens)
     scale: float
     last_logits: torch.Tensor  # (1, V): the full cache's first answer token
@@ -68,17 +70,27 @@ class Prefill:
 
     @classmethod
     @torch.no_grad()
-    def record(cls, model, prompt, *, context_window: int = 32, example_id: str | None = None) -> Prefill:
+    def record(
+        cls,
+        model,
+        prompt,
+        *,
+        context_window: int = 32,
+        example_id: str | None = None,
+        capture_queries: bool = False,
+    ) -> Prefill:
         """`prompt` has `input_ids` and `question_start` (e.g. kvcert.tasks.Rendered). Context and question are
-        read as two chunks, so the context's keys never depend on the question."""
+        read as two chunks, so the context's keys never depend on the question. capture_queries: also keep every
+        prompt query ("all"), which the scorers ported from kvpress read (kvcert.hf.scorer_inputs)."""
         ids_list = list(prompt.input_ids)
         n, qs = len(ids_list), int(prompt.question_start)
         if not 0 < qs < n:
             raise ValueError(f"question_start must be inside the prompt (0 < {qs} < {n})")
         ctx_lo = qs - min(context_window, qs - 1)
-        state = RecordState(
-            model.config.num_hidden_layers, capture={"question": slice(qs, n), "context": slice(ctx_lo, qs)}
-        )
+        capture = {"question": slice(qs, n), "context": slice(ctx_lo, qs)}
+        if capture_queries:
+            capture["all"] = slice(0, n)
+        state = RecordState(model.config.num_hidden_layers, capture=capture)
         ids = torch.tensor([ids_list], device=model.device)
         with kvcert_attention_on(model):
             forward_with_state(model, ids[:, :qs], 0, state)
@@ -122,6 +134,16 @@ class Prefill:
         forced, read = forced_tokens(policy, n, qs, self.context_window[0])
         queries = None if read is None else self.window_queries[policy.scorer_window]
         generator = torch.Generator().manual_seed(policy.generator_seed(self.example_id))
+        inputs = None
+        if not policy.is_full and SCORERS[policy.scorer].reads_inputs:
+            layers = list(range(len(self.full_keys)))
+            every = self.window_queries.get("all")
+            inputs = ModelTensors.of(self.model).inputs(
+                layers,
+                torch.stack([k[0, :, :region] for k in self.full_keys]),
+                torch.stack([v[0, :, :region] for v in self.full_values]),
+                None if every is None else torch.stack([q[0, :, :region] for q in every]),
+            )
         return compress(
             policy,
             self.full_keys,
@@ -133,6 +155,7 @@ class Prefill:
             pool_kernel=pool_kernel,
             layer_windows=self.layer_windows,
             score_cache=self._scores,
+            inputs=inputs,
         )
 
     @torch.no_grad()
@@ -173,12 +196,16 @@ def forced_tokens(
 ) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """(always-kept positions, positions whose queries the scorer reads) of a policy over a prompt of n tokens whose
     question starts at qs: the observation window is both (the question, or the last context tokens [ctx_lo, qs));
-    a protected question is only kept; None where there is none."""
+    a protected question is only kept, and so is the last token of the cache for window "last" (TOVA; inside a
+    protected question when there is one); None where there is none."""
     window = None if policy.is_full else policy.scorer_window
     if window == "question":
         return (qs, n), (qs, n)
     if window == "context":
         return (ctx_lo, qs), (ctx_lo, qs)
+    if window == "last" and not (policy.compress_after == "prompt" and policy.protect_question):
+        region = n if policy.compress_after == "prompt" else qs
+        return (region - 1, region), None  # the scorer reads the last query from its ScorerInputs
     if policy.compress_after == "prompt" and policy.protect_question and not policy.is_full:
         return (qs, n), None
     return None, None

@@ -30,6 +30,7 @@ from kvcert.hf.compressed_batch import (
 from kvcert.hf.decode import DecodeOptions
 from kvcert.hf.layer_buffers import value_sketch
 from kvcert.hf.prefill import _example_id, forced_tokens
+from kvcert.hf.scorer_inputs import ModelTensors, reads_inputs
 from kvcert.policy import Policy
 
 PROBE_QUERIES = 32  # the probe's queries when a policy's scorer reads no window: the region's last tokens
@@ -56,8 +57,10 @@ class _LayerCompressor:
         pool_kernel,
         probe=False,
         keep=True,
+        model_tensors: ModelTensors | None = None,
     ):
         self.keep = keep  # False: a probe-only read keeps no tokens
+        self.model_tensors = model_tensors  # set when a policy's scorer reads ScorerInputs (ported kvpress scorers)
         self.policies, self.rows, self.region = policies, rows, region
         self.probes = {i: [None] * shape[0] for i in rows} if probe else None  # ProbeResult per compressed layer
         self.scale, self.windows, self.pool_kernel = scale, windows, pool_kernel
@@ -74,6 +77,7 @@ class _LayerCompressor:
 
     def __call__(self, layer: int, query, key, value) -> None:
         scores: dict = {}  # this layer's scores per scorer, shared by its policies
+        inputs = None if self.model_tensors is None else self.model_tensors.inputs([layer], key, value, query)
         for i in self.rows:
             read = self.reads[i]
             (kept,) = select_layers(
@@ -87,6 +91,7 @@ class _LayerCompressor:
                 pool_kernel=self.pool_kernel,
                 layer_windows=self.windows,
                 score_cache=scores,
+                inputs=inputs,
             )
             if self.keep:
                 self.layers[i][layer] = kept
@@ -172,6 +177,7 @@ def _readers(model, prompt, policies: list[Policy], options: DecodeOptions, exam
     n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
     scale, windows = attention_scale(model), layer_windows(model)
     example = example_id if example_id is not None else _example_id(prompt)
+    tensors = ModelTensors.of(model) if reads_inputs(policies) else None
     readers = []  # (compression time, rows, prompt tokens it compresses, its per-layer compressor)
     for when, rows in _by_time(policies):
         region = n if when == "prompt" else qs
@@ -189,6 +195,7 @@ def _readers(model, prompt, policies: list[Policy], options: DecodeOptions, exam
             pool_kernel=options.pool_kernel,
             probe=probe,
             keep=keep,
+            model_tensors=tensors,
         )
         readers.append((when, rows, region, reader))
     return readers
