@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from transformers.utils import logging as hf_logging
 
@@ -145,12 +146,9 @@ def compare(items, ours: dict, kvpress_dir: Path, eos: set[int]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = list(rows[0])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        cells = [f"{v:.4f}" if isinstance(v, float) else str(v) for v in r.values()]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    from kvcert.analysis.tables import markdown_table
+
+    return markdown_table(pd.DataFrame(rows), floatfmt=".4f")
 
 
 def main(argv=None) -> int:

@@ -99,10 +99,9 @@ def table(c: pd.DataFrame, answers: pd.DataFrame) -> pd.DataFrame:
 
 
 def markdown(df: pd.DataFrame) -> str:
-    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
-    for row in df.itertuples(index=False):
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row) + " |")
-    return "\n".join(lines)
+    from kvcert.analysis.tables import markdown_table
+
+    return markdown_table(df, floatfmt=".3f")
 
 
 def main(argv=None) -> int:
