@@ -38,7 +38,7 @@ def test_debug_claim_and_launcher_configs_compose():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["policy.grid=[{scorer: snapkv, designs: [topk]}]"], "policy.grid[0].scorer='snapkv' is not allowed"),
+        (["policy.grid=[{scorer: h2o, designs: [topk]}]"], "policy.grid[0].scorer='h2o' is not allowed"),
         (["policy.grid=[{scorer: streaming, designs: [bogus]}]"], "policy.grid[0].designs='bogus'"),
         (["budgets.fractions=[0.5,1.5]"], "budgets.fractions contains 1.5"),
         (["budget=1.5"], "budget=1.5; a budget is the kept fraction"),
