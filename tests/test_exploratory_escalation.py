@@ -92,7 +92,9 @@ def test_the_continuation_helper_equals_generate_escalating_at_the_same_token(ti
         k = next(j for j in range(2, len(nlp)) if nlp[j] > max(nlp[1:j]))
         threshold = max(nlp[1:k])
         assert esc.first_firing(nlp, threshold) == k
-        escalated = generate(model, tok, **args, escalate=Escalation(signal="confidence", threshold=threshold))
+        escalated = generate(
+            model, tok, **args, escalate=Escalation(signal="confidence", threshold=threshold, scope="token")
+        )
         tokens, text = esc.escalated_answer(model, tok, context=ex.context, question=ex.question,
                                             prefix=plain.tokens[:k], max_new_tokens=10,
                                             prompt_format=esc.prompt_format_for(model))  # fmt: skip

@@ -17,7 +17,7 @@ from kvcert import Calibration, CalibrationError, Escalation, Policy, generate
 from kvcert.bench.common import no_eos
 from kvcert.core.certificate import tight_radius
 from kvcert.core.simulate import monte_carlo, random_problem
-from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.hf import FULL, DecodeOptions, Prompt, generate_variants
 from kvcert.serve import calibration as calibration_module
 from kvcert.serve.certificate import token_certificate
 from kvcert.serve.generate import build_prompt, default_policy
@@ -70,7 +70,7 @@ def test_the_api_certificate_equals_the_runner_statistics(tiny_smol):
     cal = _calibration(model, policy, model="tiny")
     with no_eos(model):
         out = generate(model, tok, context=ex.context, question=ex.question, policy=policy, calibration=cal,
-                       model_name="tiny", max_new_tokens=8, seed=3)  # fmt: skip
+                       escalate=None, model_name="tiny", max_new_tokens=8, seed=3)  # fmt: skip
         ids, qs, stops = build_prompt(
             tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto"
         )
@@ -98,7 +98,8 @@ def test_escalation_to_the_full_cache_continues_as_full_cache_greedy(tiny_smol):
     streamed = []
     with no_eos(model):
         out = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
-                       escalate=Escalation(threshold=-1.0), max_new_tokens=8, on_token=streamed.append)  # fmt: skip
+                       escalate=Escalation(threshold=-1.0, scope="token"), max_new_tokens=8,
+                       on_token=streamed.append)  # fmt: skip
     assert len(out.escalations) == 1
     esc = out.escalations[0]
     assert (esc.token, esc.budget_from, esc.budget_to) == (1, 0.25, 1.0)
@@ -144,6 +145,41 @@ def test_answer_scope_escalation_restarts_the_answer_as_full_cache_greedy(tiny_s
     assert drawn.tokens == out.tokens and drawn.escalations[0].reread_tokens == 0  # no compressed read was wasted
     with pytest.raises(ValueError, match="scope"):
         Escalation(threshold=1.0, scope="sentence")
+
+
+def test_the_default_escalation_is_study_4s_answer_level_certificate_rule(tiny_smol):
+    """escalate="auto" (the default) is DEFAULT_ESCALATION where a calibration gives its threshold: an answer whose
+    largest certificate crosses the 20%-rate threshold is restarted with the full cache (= plain transformers greedy
+    on the prompt); under it nothing changes (= escalate=None); without a calibration, or for the full cache, the
+    default does nothing."""
+    from dataclasses import replace
+
+    from kvcert.serve.generate import DEFAULT_ESCALATION
+
+    assert DEFAULT_ESCALATION == Escalation() == Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7008)
+    policy = default_policy(0.25)
+    base = _calibration(model, policy)
+    low, high = replace(base, thresholds={"0.1": 1e9, "0.2": -1.0}), replace(base, thresholds={"0.2": 1e9})
+    kw = dict(context=ex.context, question=ex.question, policy=policy, model_name="tiny", max_new_tokens=6)
+    with no_eos(model):
+        restarted = generate(model, tok, calibration=low, **kw)
+        kept = generate(model, tok, calibration=high, **kw)
+        off = generate(model, tok, calibration=high, escalate=None, **kw)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no calibration"
+            uncalibrated = generate(model, tok, calibration=None, **kw)
+        full = generate(model, tok, **{**kw, "policy": FULL})
+    ids, _, _ = build_prompt(tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto")
+    ref, _ = hf_greedy(model, ids, 6)
+    (esc,) = restarted.escalations
+    assert (esc.token, esc.budget_to) == (0, 1.0) and "certificate" in esc.reason  # the rate-0.2 threshold, not 0.1's
+    assert restarted.tokens == ref and restarted.kv_bytes == restarted.full_kv_bytes
+    assert kept.escalations == [] and kept.tokens == off.tokens and kept.certificate == off.certificate
+    assert uncalibrated.escalations == [] and full.escalations == [] and full.tokens == ref
+    with pytest.raises(ValueError, match="'auto', an Escalation or None"):
+        generate(model, tok, calibration=high, escalate="always", **kw)
 
 
 def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_smol):
@@ -331,7 +367,8 @@ def test_calibrate_and_generate_on_the_packaged_model(tmp_path):
     assert all(m is not None and m > 0 for m in loaded.multipliers)
     assert 0.0 <= loaded.report["coverage"] <= 1.0 and "held-out coverage" in describe(loaded)
     ex = make_examples("single_needle", 1, 512, tok, seed=5950)[0]
-    out = generate(model, tok, context=ex.context, question=ex.question, budget=0.3, calibration=path, max_new_tokens=8)
+    out = generate(model, tok, context=ex.context, question=ex.question, budget=0.3, calibration=path, max_new_tokens=8,
+                   escalate=None)  # fmt: skip
     assert all(out.trusted) and out.calibration == "calib.json" and out.kv_bytes < 0.5 * out.full_kv_bytes
     with pytest.raises(CalibrationError, match="budgets"):
         generate(model, tok, context=ex.context, question=ex.question, budget=0.75, calibration=path)

@@ -113,7 +113,7 @@ def test_the_page_of_a_real_generation_has_one_span_per_token_and_its_escalation
     with no_eos(model), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no calibration": this test is about the page
         out = generate(model, tok, context=ex.context, question=ex.question, budget=0.25, calibration=None,
-                       escalate=Escalation(threshold=-1.0), max_new_tokens=6)  # fmt: skip
+                       escalate=Escalation(threshold=-1.0, scope="token"), max_new_tokens=6)  # fmt: skip
     assert len(out.escalations) == 1 and len(out.steps) >= 3
     page = render_html(out, question=ex.question)
     _assert_self_contained(page)
@@ -253,7 +253,7 @@ def test_generate_streams_the_tokens_and_writes_json_and_html(tmp_path, monkeypa
     doc.write_text(ex.context)
     out_json, out_html = tmp_path / "out" / "a.json", tmp_path / "a.html"
     args = ["generate", "--model", SMOL, "--context-file", str(doc), "--question", ex.question, "--budget", "0.25",
-            "--max-new-tokens", "6", "--calibration", str(cal), "--escalate", "0.1",
+            "--max-new-tokens", "6", "--calibration", str(cal), "--escalate", "0.1", "--escalate-scope", "token",
             "--json", str(out_json), "--html", str(out_html)]  # fmt: skip
     with no_eos(model):
         assert main(args) == 0
@@ -313,7 +313,15 @@ def test_generate_end_to_end_on_the_packaged_smollm2(tmp_path, capsys):
     assert data["text"].strip() and f"answer: {data['text']}" in out and data["summary"] in out
     assert 1 <= len(data["steps"]) <= 16
     assert all(isinstance(s["certificate"], float) and s["trusted"] for s in data["steps"])  # shipped calibration
-    assert data["calibration"] == f"{SMOL}: shipped" and 0 < data["kv_bytes"] < data["full_kv_bytes"]
+    assert data["calibration"] == f"{SMOL}: shipped"
+    # the default escalation (study 4's rule): either the answer kept its compressed cache, or it was restarted once,
+    # from its first token, with the full cache
+    if data["escalations"]:
+        (esc,) = data["escalations"]
+        assert esc["token"] == 0 and esc["budget_to"] == 1.0 and data["kv_bytes"] == data["full_kv_bytes"]
+        assert "[restarted at budget 1" in out
+    else:
+        assert 0 < data["kv_bytes"] < data["full_kv_bytes"]
     page = out_html.read_text()
     assert len(TOKEN_SPAN.findall(page)) == len(data["steps"])
 

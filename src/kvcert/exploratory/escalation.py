@@ -171,7 +171,8 @@ def run_base(model, tokenizer, example, *, calibration, seed: int, max_new_token
     streamed = []
     with torch.no_grad():
         prompt = dict(context=example.context, question=example.question, max_new_tokens=max_new_tokens, seed=seed)
-        out = generate(model, tokenizer, **prompt, budget=budget, calibration=calibration, on_token=streamed.append)
+        out = generate(model, tokenizer, **prompt, budget=budget, calibration=calibration, escalate=None,
+                       on_token=streamed.append)  # fmt: skip
         full = generate(model, tokenizer, **prompt, policy=FULL, calibration=None)
     sc, ok = score(out.text, example)
     fsc, fok = score(full.text, example)

@@ -2,7 +2,7 @@
 token, optional escalation), `Calibration` (`kvcert calibrate`), the per-token certificate, and the HTML view."""
 
 from kvcert.serve.calibration import Calibration, CalibrationError
-from kvcert.serve.generate import Escalated, Escalation, Generation, Token, default_policy, generate
+from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Escalation, Generation, Token, default_policy, generate
 
 # short names of the packaged models (the Hydra config group's names)
 ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "gemma3_270m": "gemma3-270m"}
@@ -23,6 +23,7 @@ __all__ = [
     "ALIASES",
     "Calibration",
     "CalibrationError",
+    "DEFAULT_ESCALATION",
     "Escalated",
     "Escalation",
     "Generation",

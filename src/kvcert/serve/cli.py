@@ -1,7 +1,7 @@
 """The `kvcert` command: certified generation for one prompt and the calibration it uses.
 
     kvcert generate --model smollm2 --context-file doc.txt --question "Who wrote it?" --budget 0.25 \
-        [--max-new-tokens 64] [--calibration FILE|none] [--escalate 0.1|none] [--escalate-scope token|answer] \
+        [--max-new-tokens 64] [--calibration FILE|none] [--escalate auto|0.1|none] [--escalate-scope answer|token] \
         [--tolerance 0.1 [--ladder 0.125,0.25,0.5,1]] [--json out.json] [--html out.html]
     kvcert calibrate --model smollm2 [--tasks single_needle,fact_qa | --data file.jsonl] [--lengths 1024] [--n 20] \
         [--budgets 0.25,0.5] [--seed 5000] --out calib.json
@@ -117,10 +117,12 @@ def _calibration_arg(text: str | None, model_name: str, budget: float):
     return text
 
 
-def _escalate_arg(text: str | None, scope: str = "token"):
-    from kvcert.serve.generate import Escalation
+def _escalate_arg(text: str | None, scope: str = "answer"):
+    from kvcert.serve.generate import AUTO, Escalation
 
-    if text is None or text.lower() == "none":
+    if text is None or text.lower() == AUTO:
+        return AUTO  # generate's default: study 4's answer-level certificate escalation where a calibration applies
+    if text.lower() == "none":
         return None
     try:
         rate = float(text)
@@ -208,13 +210,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     calibration = _calibration_arg(args.calibration, model_name, budget)
     escalate = _escalate_arg(args.escalate, args.escalate_scope)
     tolerance, ladder = _tolerance_args(args.tolerance, args.ladder)
-    if escalate is not None and calibration is None:
+    if escalate is not None and not isinstance(escalate, str) and calibration is None:  # a rate given
         raise UsageError("--escalate needs a calibration (its threshold); drop --calibration none or --escalate")
     json_out, html_out = _writable(args.json, "--json"), _writable(args.html, "--html")
 
     import torch
 
-    from kvcert.serve.generate import Escalated, generate
+    from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Escalation, generate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -264,7 +266,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if html_out is not None:
         from kvcert.serve.html import write_html
 
-        rate = escalate.rate if escalate is not None else 0.1
+        rate = escalate.rate if isinstance(escalate, Escalation) else DEFAULT_ESCALATION.rate
         threshold, label = _html_threshold(calibration, model_name, rate)
         title = f"kvcert generate: {model_name} at budget {gen.policy.budget:g}"
         write_html(gen, html_out, title=title, question=args.question, threshold=threshold, threshold_label=label)
@@ -363,10 +365,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budget", default="0.25", help="share of the prompt the cache keeps, in (0, 1] (default 0.25)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--calibration", default=None, help="a `kvcert calibrate` file, or none (default: the shipped one)")
-    g.add_argument("--escalate", default=None, help="re-read with the full cache for this share of answers, or none")
+    g.add_argument(
+        "--escalate",
+        default="auto",
+        help="re-read with the full cache for this share of answers, none, or auto (default: study 4's rule, the "
+        "answer restarted with the full cache at the calibration's 20%% certificate threshold)",
+    )
     g.add_argument(
         "--escalate-scope",
-        default="token",
+        default="answer",
         choices=["token", "answer"],
         help="token: re-read and go on from the token that crossed; answer: discard the answer and restart it",
     )

@@ -1,7 +1,8 @@
 """Certified generation for one prompt: `generate` reads the prompt once, keeps a compressed cache (serving mode:
-the full cache never exists), decodes greedily and gives every token a calibrated certificate; with `escalate=` it
-re-reads the prompt and the tokens so far at a larger budget (or the full cache) when a token's certificate crosses
-a threshold, and goes on from there.
+the full cache never exists), decodes greedily and gives every token a calibrated certificate. By default
+(`escalate="auto"`) it escalates as study 4 decided: when the answer's largest certificate so far crosses the
+calibration's threshold for a 20% escalation rate, the answer is discarded and decoded again with the full cache
+(`DEFAULT_ESCALATION`); `escalate=None` turns that off, and any `Escalation` replaces it.
 
     from kvcert import generate, load_model
     model, tokenizer = load_model("smollm2-135m-instruct")
@@ -29,9 +30,33 @@ import torch
 from kvcert.policy import FULL, Policy
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, Probe, choose_budget, probe_error, summarize
-from kvcert.serve.stream import CALIBRATED_SIGNALS, SCOPES, SIGNALS, Escalated, Escalation, Token, _escalate_to, _Stream
+from kvcert.serve.stream import (
+    AUTO,
+    CALIBRATED_SIGNALS,
+    SCOPES,
+    SIGNALS,
+    Escalated,
+    Escalation,
+    Token,
+    _escalate_to,
+    _Stream,
+)
 
-__all__ = ["SCOPES", "SIGNALS", "Escalated", "Escalation", "Generation", "Token", "generate"]
+__all__ = [
+    "AUTO",
+    "DEFAULT_ESCALATION",
+    "SCOPES",
+    "SIGNALS",
+    "Escalated",
+    "Escalation",
+    "Generation",
+    "Token",
+    "generate",
+]
+
+# study 4's winner (preregistration/study4/PLAN.md section 7: P1 supported on both packaged models): restart the
+# answer with the full cache when its largest certificate so far crosses the calibration's 20%-rate threshold
+DEFAULT_ESCALATION = Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
 
 DEFAULT_MAX_NEW_TOKENS = 64
 EXACT = "none needed (full cache: exact)"  # Generation.calibration of a full-cache generation
@@ -213,7 +238,7 @@ def generate(
     budget: float = 0.25,
     policy: Policy | None = None,
     calibration="auto",
-    escalate: Escalation | None = None,
+    escalate: Escalation | str | None = AUTO,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     on_token: Callable[[Token | Escalated], None] | None = None,
     prompt_format: str | None = None,
@@ -271,6 +296,7 @@ def generate(
         policy = FULL if choice.chosen >= 1.0 else Policy(**{**asdict(policy), "budget": choice.chosen})
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
+    escalate = _resolve_escalation(escalate, cal, policy)
     threshold = None
     if escalate is not None:
         threshold = escalate.threshold
@@ -335,6 +361,24 @@ def generate(
         probe=probe_result if probe else None,
         budget_choice=choice,
     )
+
+
+def _resolve_escalation(escalate, cal: Calibration | None, policy: Policy) -> Escalation | None:
+    """escalate="auto" -> DEFAULT_ESCALATION where it can act (a compressing policy below its budget and a calibration
+    with its threshold), else None; an Escalation or None as given."""
+    if isinstance(escalate, str):
+        if escalate != AUTO:
+            raise ValueError(f"escalate={escalate!r}: pass 'auto', an Escalation or None")
+        if policy.is_full or cal is None or policy.budget >= DEFAULT_ESCALATION.budget:
+            return None
+        try:
+            cal.signal_threshold(DEFAULT_ESCALATION.signal, DEFAULT_ESCALATION.rate)
+        except CalibrationError:  # an older calibration file without escalation thresholds
+            return None
+        return DEFAULT_ESCALATION
+    if escalate is not None and not isinstance(escalate, Escalation):
+        raise ValueError(f"escalate= takes 'auto', an Escalation or None, got {type(escalate).__name__}")
+    return escalate
 
 
 def _choose_budget(model, prompt, policy: Policy, tolerance: float, ladder) -> BudgetChoice:

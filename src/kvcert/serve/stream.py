@@ -17,6 +17,7 @@ from kvcert.serve.certificate import token_certificate
 SIGNALS = ("certificate", "confidence", "probe", "combined", "random")
 CALIBRATED_SIGNALS = ("certificate", "probe", "combined")  # a calibration file can give their thresholds
 SCOPES = ("token", "answer")
+AUTO = "auto"  # generate(escalate=AUTO): DEFAULT_ESCALATION where a calibration gives its threshold, else none
 
 
 @dataclass(frozen=True)
@@ -38,15 +39,18 @@ class Escalation:
     answer's running signal (its largest token certificate so far, or its lowest log-probability so far) crosses the
     threshold, everything written is discarded and the answer restarts from the prompt at the larger budget, so the
     final answer is what that budget decodes on its own (with the full cache: full-cache greedy). The calibration's
-    thresholds are quantiles of exactly this answer-level score, so `rate` is the share of answers restarted."""
+    thresholds are quantiles of exactly this answer-level score, so `rate` is the share of answers restarted.
+
+    The defaults, `Escalation()` (answer scope, the certificate, rate 0.2, to the full cache), are study 4's winner
+    and `generate`'s default escalation (docs/generate.md: what it was shown to do, and what it was not)."""
 
     signal: str = "certificate"
     threshold: float | None = None
-    rate: float = 0.1
+    rate: float = 0.2
     budget: float = 1.0
     on_untrusted: bool = False
     max_escalations: int = 1
-    scope: str = "token"
+    scope: str = "answer"
 
     def __post_init__(self):
         if self.scope not in SCOPES:
