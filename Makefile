@@ -80,15 +80,18 @@ lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=stud
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
-reproduce: $(STAMP) ## the three studies: lock checks -> every claim regenerated (resumable; results/reproduce.log) -> compared with the published records (results/<study>/regeneration.md) -> scorecards + figures
+reproduce: $(STAMP) ## the four studies: lock checks -> every claim regenerated (resumable; results/reproduce.log) -> compared with the published records (results/<study>/regeneration.md, study 4 per model) -> scorecards + figures
 	$(PY) -m kvcert.prereg verify --study study1
 	$(PY) -m kvcert.prereg verify --study study2
 	$(PY) -m kvcert.prereg verify --study study3
+	$(PY) -m kvcert.prereg verify --study study4
 	$(PY) -m kvcert.reproduce run --study study1
 	$(PY) -m kvcert.reproduce run --study study2
 	$(STUDY3_RUN)
 	$(PY) -m kvcert.reproduce publish --study all --regenerated
 	$(PY) -m kvcert.studies.regenerate full --study all
+	$(STUDY4_REGENERATE)
+	$(PY) -m kvcert.studies.study4 regenerate-check --regenerated
 	$(PY) -m kvcert.reproduce analyze --study all
 
 regenerate-check: $(STAMP) ## regenerate N examples per study and study-3 model (default 10; ~15 min) and judge them against the published records by the declared tolerances
@@ -104,6 +107,10 @@ study3: $(STAMP) ## study 3 alone: both models side by side (one core each, resu
 	$(PY) -m kvcert.reproduce publish --study study3_smollm2
 	$(PY) -m kvcert.reproduce publish --study study3_gemma3
 	$(PY) -m kvcert.reproduce analyze --study all
+
+# study 4's full regeneration (results/study4/<model>/regenerated/, resumable), both models side by side, one core each
+STUDY4_REGENERATE = $(PY) -m kvcert.studies.study4 run --model smollm2 --regenerate & pid=$$!; \
+	$(PY) -m kvcert.studies.study4 run --model gemma3 --regenerate; rc=$$?; wait $$pid && test $$rc -eq 0
 
 study4: $(STAMP) ## study 4 (an actionable certificate): both models side by side (one core each, resumable) -> claims and reports
 	$(PY) -m kvcert.prereg verify --study study4

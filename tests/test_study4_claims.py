@@ -207,3 +207,74 @@ def test_the_token_level_answer_continues_with_the_full_cache(smollm2):
     assert len(full["tokens"]) >= 3
     cont = token_level_answer(model, tok, example, full["tokens"][:2], model_name="smollm2-135m-instruct")
     assert cont["answer"] == full["answer"] and cont["kept"] == 2
+
+
+def _write_study(root, n_examples: int = 40) -> list[dict]:
+    """A complete synthetic study-4 record set for smollm2 under root (design, predictions, answers.jsonl)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    import yaml
+
+    prereg = root / "preregistration/study4"
+    prereg.mkdir(parents=True)
+    shutil.copy(Path("preregistration/study4/predictions_smollm2.yaml"), prereg)
+    design = dict(seed=8000, lengths=[1024], budgets=[0.5, 0.25, 0.125],
+                  models={"smollm2": dict(model="smollm2-135m-instruct", tasks={"word_needle": 1},
+                                          n_per_cell=n_examples)})  # fmt: skip
+    (prereg / "design.yaml").write_text(yaml.safe_dump(design))
+    rng = np.random.default_rng(1)
+    rows = []
+    for i in range(n_examples):
+        cert, full_ok = float(rng.random()), bool(rng.random() < 0.7)
+        for b in (0.5, 0.25, 0.125):
+            rows.append(dict(example_id=f"word_needle-1024-s8000-{i:04d}", task="word_needle", context_tokens=1024,
+                             budget=b, correct=full_ok and cert < 0.6, full_correct=full_ok, certificate=cert,
+                             logprob=-float(rng.random()), probe_error=cert * b, kv_bytes=1000.0 * b,
+                             full_kv_bytes=1000.0, prompt_tokens=1100, answer=f"a{i}",
+                             full_answer=f"f{i}"))  # fmt: skip
+    out = root / "results/study4/smollm2"
+    out.mkdir(parents=True)
+    (out / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def test_the_full_regeneration_check_compares_every_row_and_every_verdict(tmp_path):
+    """make reproduce's study-4 step: an identical regeneration passes with a verdict row per claim; a signal off by
+    more than its tolerance on one row fails; a regeneration missing examples is refused in one line."""
+    import json
+
+    from kvcert.studies.study4 import full_regeneration_check
+
+    rows = _write_study(tmp_path)
+    regen = tmp_path / "results/study4/smollm2/regenerated"
+    regen.mkdir()
+    with pytest.raises(SystemExit, match="no complete regeneration"):
+        full_regeneration_check("smollm2", tmp_path)
+    (regen / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    assert passed and "all 40 examples regenerated: **PASS**" in text
+    table = _report_rows(text)
+    assert table["identical answers"] == ("120 / 120", "pass") and table["P1 verdict"][1] == "pass"
+    assert {k for k in table if k.endswith(" verdict")} == {f"{c} verdict" for c in _claim_ids()}
+    off = [dict(r, certificate=r["certificate"] * 1.01) if i == 7 else r for i, r in enumerate(rows)]
+    (regen / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in off))
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    value, result = _report_rows(text)["certificate (rel difference, identical answers)"]
+    assert not passed and result == "FAIL" and float(value) == pytest.approx(0.01 / 1.0, rel=0.02)
+    (regen / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-3]))
+    with pytest.raises(SystemExit, match="lacks 1 examples"):
+        full_regeneration_check("smollm2", tmp_path)
+
+
+def _report_rows(text: str) -> dict[str, tuple[str, str]]:
+    """{item: (value, result)} of a regeneration report's table."""
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return {c[0]: (c[1], c[3]) for c in cells[1:]}
+
+
+def _claim_ids() -> set[str]:
+    import yaml
+
+    return set(yaml.safe_load(open("preregistration/study4/predictions_smollm2.yaml"))["claims"])

@@ -5,6 +5,8 @@
     python -m kvcert.studies.study4 analyze                # claims, report and scorecard cards, < 1 min
     python -m kvcert.studies.study4 token-reference --model smollm2  # today's token-level rule beside P1
     python -m kvcert.studies.study4 regenerate-check -n 5  # rerun 5 recorded examples per model and compare
+    python -m kvcert.studies.study4 run --model smollm2 --regenerate   # make reproduce: every record again ...
+    python -m kvcert.studies.study4 regenerate-check --regenerated     # ... compared, verdicts decided again
 
 `run` refuses before study 4's lock exists (the lock precedes every record). Records:
 results/study4/<model>/answers.jsonl; analysis: results/study4/<model>/{claims.json, report.md}.
@@ -27,6 +29,7 @@ NEW_TEMPLATES = {"needle_reworded": (7, 12), "word_needle": (0, 1, 2), "multikey
 LENGTHS = (1024, 2048)
 SEED = 8000
 N_PER_MODEL = 720
+REGENERATED = "regenerated"  # results/study4/<model>/regenerated/: make reproduce's full regeneration
 BUDGETS = (0.5, 0.25, 0.125)
 
 
@@ -89,7 +92,9 @@ def examples_for(design: dict, tag: str, tokenizer) -> list:
     return out
 
 
-def run(tag: str, threads: int = 1, root: Path = Path(".")) -> Path:
+def run(tag: str, threads: int = 1, root: Path = Path("."), regenerate: bool = False) -> Path:
+    """The confirmatory records of one model, resumable; regenerate=True writes a full regeneration to
+    results/study4/<model>/regenerated/ instead (make reproduce), leaving the published records alone."""
     import torch
 
     from kvcert.hf import load_model
@@ -106,7 +111,8 @@ def run(tag: str, threads: int = 1, root: Path = Path(".")) -> Path:
     model, tokenizer = load_model(MODELS[tag])
     examples = examples_for(design, tag, tokenizer)
     print(f"study4 {tag}: {len(examples)} examples, budgets {design['budgets']}")
-    return collect(model, tokenizer, examples, design["budgets"], root / RESULTS / tag, model_name=MODELS[tag])
+    out = root / RESULTS / tag / (REGENERATED if regenerate else "")
+    return collect(model, tokenizer, examples, design["budgets"], out, model_name=MODELS[tag])
 
 
 def planned_examples(design: dict, tag: str) -> int:
@@ -237,13 +243,11 @@ IDENTICAL_SHARE = 0.95  # answers (compressed and full) identical in at least th
 
 
 def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 1) -> tuple[bool, str]:
-    """Regenerate the first n recorded examples (by id) of one model and compare them with the records: the share of
-    identical answers (compressed and full cache) and, on identical answers, each signal against its tolerance
-    (SIGNAL_TOLERANCE). Returns (passed, a Markdown report)."""
+    """Regenerate the first n recorded examples (by id) of one model and compare them with the records
+    (`compare_regenerated`). Returns (passed, a Markdown report)."""
     import pandas as pd
     import torch
 
-    from kvcert.analysis.tables import markdown_table
     from kvcert.hf import load_model
     from kvcert.studies.study4_collect import example_rows, load_answers
 
@@ -255,6 +259,40 @@ def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 
     ids = sorted(set(records["example_id"]) & set(by_id))[:n]
     new = pd.DataFrame([r for i in ids for r in example_rows(model, tokenizer, by_id[i], design["budgets"],
                                                                 model_name=MODELS[tag])])  # fmt: skip
+    passed, rows = compare_regenerated(records, new)
+    return passed, _check_report(tag, f"{len(ids)} examples (the first by id)", passed, rows)
+
+
+def full_regeneration_check(tag: str, root: Path = Path(".")) -> tuple[bool, str]:
+    """make reproduce's comparison: the full regeneration (`run --regenerate`) against the published records, by
+    `compare_regenerated`, and every claim decided again on the regenerated records with its verdict compared."""
+    from kvcert.studies.study4_claims import evaluate_claims
+    from kvcert.studies.study4_collect import load_answers
+
+    path = root / RESULTS / tag / REGENERATED / "answers.jsonl"
+    if not complete(tag, root) or not path.is_file():
+        raise SystemExit(
+            f"study4 {tag}: no complete regeneration at {path}; run `study4 run --model {tag} --regenerate`"
+        )
+    records, new = load_answers(root / RESULTS / tag / "answers.jsonl"), load_answers(path)
+    missing = set(records["example_id"]) - set(new["example_id"])
+    if missing:
+        raise SystemExit(f"study4 {tag}: the regeneration lacks {len(missing)} examples; rerun it (it resumes)")
+    passed, rows = compare_regenerated(records, new)
+    predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())
+    published, again = evaluate_claims(records, predictions), evaluate_claims(new, predictions)
+    for cid, claim in published.items():
+        same = claim["verdict"] == again[cid]["verdict"]
+        passed &= same
+        rows.append(dict(item=f"{cid} verdict", value=f"{claim['verdict']} / {again[cid]['verdict']}",
+                         tolerance="identical", result="pass" if same else "FAIL"))  # fmt: skip
+    n = int(new["example_id"].nunique())
+    return passed, _check_report(tag, f"all {n} examples regenerated", passed, rows)
+
+
+def compare_regenerated(records, new) -> tuple[bool, list[dict]]:
+    """Published vs regenerated rows (matched by example and budget): the share of identical answers (compressed and
+    full cache, IDENTICAL_SHARE) and, on identical answers, each signal against SIGNAL_TOLERANCE."""
     both = records.merge(new, on=["example_id", "budget"], suffixes=("_published", "_regenerated"))
     same = (both["answer_published"] == both["answer_regenerated"]) & (
         both["full_answer_published"] == both["full_answer_regenerated"]
@@ -270,12 +308,19 @@ def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 
         passed &= ok
         rows.append(dict(item=f"{name} ({kind} difference, identical answers)", value=f"{worst:.2e}",
                          tolerance=f"<= {tol:g}", result="pass" if ok else "FAIL"))  # fmt: skip
-    text = "\n\n".join([
+    return passed, rows
+
+
+def _check_report(tag: str, what: str, passed: bool, rows: list[dict]) -> str:
+    import pandas as pd
+
+    from kvcert.analysis.tables import markdown_table
+
+    return "\n\n".join([
         f"# Study 4 regeneration check: {MODELS[tag]}",
-        f"{len(ids)} examples (the first by id), {len(both)} rows: **{'PASS' if passed else 'FAIL'}**",
+        f"{what}: **{'PASS' if passed else 'FAIL'}**",
         markdown_table(pd.DataFrame(rows)),
     ]) + "\n"  # fmt: skip
-    return passed, text
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -285,27 +330,33 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="the confirmatory records of one model (resumable)")
     r.add_argument("--model", required=True, choices=sorted(MODELS))
     r.add_argument("--threads", type=int, default=1)
+    r.add_argument("--regenerate", action="store_true", help="a full regeneration into <model>/regenerated/")
     a = sub.add_parser("analyze", help="claims and reports from complete records")
     a.add_argument("--partial", action="store_true", help="an interim look at incomplete records (not a result)")
     t = sub.add_parser("token-reference", help="today's token-level rule at P1's threshold (after the records)")
     t.add_argument("--model", required=True, choices=sorted(MODELS))
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
+    g.add_argument("--regenerated", action="store_true", help="compare the full regeneration (make reproduce)")
     args = p.parse_args(argv)
     if args.cmd == "select":
         design = select()
         (PREREG / "design.yaml").write_text(yaml.safe_dump(design, sort_keys=False))
         print(yaml.safe_dump({t: m["tasks"] for t, m in design["models"].items()}), end="")
     elif args.cmd == "run":
-        print(f"wrote {run(args.model, args.threads)}")
+        print(f"wrote {run(args.model, args.threads, regenerate=args.regenerate)}")
     elif args.cmd == "token-reference":
         print(f"wrote {token_reference(args.model)}")
     elif args.cmd == "regenerate-check":
         ok = True
         for tag in MODELS:
             if (RESULTS / tag / "answers.jsonl").is_file():
-                passed, text = regeneration_check(tag, args.n)
-                (RESULTS / tag / "regeneration_check.md").write_text(text)
+                if args.regenerated:
+                    passed, text = full_regeneration_check(tag)
+                    (RESULTS / tag / "regeneration.md").write_text(text)
+                else:
+                    passed, text = regeneration_check(tag, args.n)
+                    (RESULTS / tag / "regeneration_check.md").write_text(text)
                 print(text)
                 ok &= passed
         return 0 if ok else 1
