@@ -2,6 +2,7 @@
 transformers 5.2), never imported by kvcert (it imports kvpress, not kvcert).
 
     .venv-kvpress/bin/python src/kvcert/bench/kvpress_side.py PROMPTS.json OUT_DIR
+    .venv-kvpress/bin/python src/kvcert/bench/kvpress_side.py --time SPEED_PROMPTS.json OUT_DIR   # kvpress_speed
 
 PROMPTS.json (written by kvcert.bench.kvpress_check): the model folder, the presses, max_new_tokens, and the prompts
 (token ids, question start, the kept count per prompt). For each prompt and press the context [0, question_start)
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +27,7 @@ from kvpress import (
     ExpectedAttentionPress,
     KnormPress,
     ObservedAttentionPress,
+    RandomPress,
     SnapKVPress,
     StreamingLLMPress,
     TOVAPress,
@@ -40,6 +43,7 @@ PRESSES = {
     "ObservedAttentionPress": lambda: ObservedAttentionPress(),
     "ExpectedAttentionPress": lambda: ExpectedAttentionPress(),
     "CriticalKVPress(SnapKVPress)": lambda: CriticalKVPress(SnapKVPress()),
+    "RandomPress": lambda: RandomPress(),
 }
 EAGER = {"ObservedAttentionPress"}  # reads the attention weights, which only eager attention returns
 
@@ -90,12 +94,58 @@ def run_press(model, name: str, prompts: list[dict], max_new_tokens: int) -> tup
     return kept_all, answers
 
 
+def answer_seconds(model, ids: torch.Tensor, qs: int, press, max_new_tokens: int) -> float:
+    """Wall seconds of one configuration on one prompt as kvpress's pipeline runs it: the context prefilled under
+    the press (None: the full cache), the question read through the cache, max_new_tokens greedy tokens (no EOS
+    stop, so every configuration decodes the same number of tokens)."""
+    t0 = time.perf_counter()
+    cache = DynamicCache()
+    with torch.no_grad():
+        if press is None:
+            model.model(input_ids=ids[:, :qs], past_key_values=cache)
+        else:
+            with press(model):
+                model.model(input_ids=ids[:, :qs], past_key_values=cache)
+        position = torch.arange(qs, ids.shape[1])[None]
+        out = model(input_ids=ids[:, qs:], past_key_values=cache, position_ids=position, logits_to_keep=1)
+        token = out.logits[0, -1].argmax()
+        for step in range(max_new_tokens - 1):
+            out = model(input_ids=token[None, None], past_key_values=cache, position_ids=position[:, -1:] + 1 + step)
+            token = out.logits[0, -1].argmax()
+    return time.perf_counter() - t0
+
+
+def time_configurations(spec: dict, out: Path) -> None:
+    """kvcert.bench.kvpress_speed's kvpress side: per prompt, the seconds of the full cache plus every press at every
+    kept share, each configuration on its own -> OUT_DIR/kvpress_times.json."""
+    model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation="sdpa")
+    model.eval()
+    first = spec["prompts"][0]
+    answer_seconds(model, torch.tensor([first["input_ids"]]), first["question_start"], None, 2)  # warm-up
+    per_prompt = []
+    for p in spec["prompts"]:
+        ids, qs = torch.tensor([p["input_ids"]]), p["question_start"]
+        total = answer_seconds(model, ids, qs, None, spec["max_new_tokens"])
+        for keep in spec["keep"]:
+            for name in spec["presses"]:
+                press = PRESSES[name]()
+                press.compression_ratio = p["compression_ratios"][keep]
+                total += answer_seconds(model, ids, qs, press, spec["max_new_tokens"])
+        per_prompt.append(total)
+    (out / "kvpress_times.json").write_text(json.dumps({"per_prompt_s": per_prompt}))
+
+
 def main(argv: list[str]) -> int:
+    timing = argv[0] == "--time"
+    argv = argv[1:] if timing else argv
     spec = json.loads(Path(argv[0]).read_text())
     out = Path(argv[1])
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
+    if timing:
+        time_configurations(spec, out)
+        return 0
     for name in spec["presses"]:
         attn = "eager" if name in EAGER else "sdpa"
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation=attn)

@@ -1,0 +1,149 @@
+"""kvcert against kvpress 0.5.5 itself, seconds per configuration, on the same prompts and the same CPU thread.
+
+    python -m kvcert.bench.kvpress_speed [--n 4] [--reps 2] [--kvpress-python .venv-kvpress/bin/python]
+
+The workload is kvpress's protocol as a user comparing the tools would run it: N needle prompts of about 1.1k
+tokens (`kvcert.bench.kvpress_check.prompts`, the same token ids on both sides), 16 new tokens (EOS ignored on both
+sides, so both decode the same number of tokens), 11 configurations: the full cache and five presses at keeping 0.5
+and 0.25 of the context (SnapKV, StreamingLLM, Knorm, TOVA, Random).
+
+- kvpress (a subprocess in .venv-kvpress, `kvpress_side.py --time`): each configuration on its own, as kvpress's
+  pipeline does it: the context prefilled under the press, the question read through the compressed cache, a
+  greedy decode.
+- kvcert: the same 11 configurations (ported scorers, `compress_after="context"` as kvpress, the randomized design so
+  each has a certificate) read from one serving-mode prefill (oracle off, certificate on) and decoded as one batch.
+
+Seconds per configuration = a prompt's wall time / 11, the median over prompts and repetitions (the sides
+alternate). The kvcert side's first call in a fresh environment also builds the compiled kernel (cached after);
+a warm-up call before timing keeps that out. Writes outputs/kvpress_speed/kvpress_speed.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from kvcert.bench.common import no_eos
+from kvcert.bench.kvpress_check import MODEL, SIDE, prompts
+from kvcert.hf import DecodeOptions, Prompt, generate_variants
+from kvcert.hf.loading import default_cache_dir, load_model
+from kvcert.policy import FULL, Policy
+from kvcert.records import cpu_model
+
+NEW_TOKENS = 16
+KEEP = (0.5, 0.25)
+# kvpress press -> kvcert scorer (the ported scorers, kvcert.core.scorers)
+PRESSES = {
+    "SnapKVPress": "snapkv",
+    "StreamingLLMPress": "streaming",
+    "KnormPress": "key_norm",
+    "TOVAPress": "tova",
+    "RandomPress": "random",
+}
+N_CONFIGS = 1 + len(PRESSES) * len(KEEP)
+
+
+def kvcert_policies() -> list[Policy]:
+    """The 11 configurations on kvcert's side: the full cache, then each scorer at each kept share."""
+    return [FULL] + [
+        Policy(scorer=s, design="randomized", budget=b, compress_after="context")
+        for b in KEEP
+        for s in PRESSES.values()
+    ]
+
+
+def kvcert_seconds(model, items: list[dict]) -> list[float]:
+    """Per prompt: one serving-mode read and one batched decode of the 11 configurations, certificate on."""
+    options = DecodeOptions(max_new_tokens=NEW_TOKENS, oracle=False, certificate=True)
+    policies = kvcert_policies()
+    out = []
+    with no_eos(model):
+        first = items[0]
+        warm = Prompt(input_ids=first["input_ids"], question_start=first["question_start"], example_id="warm")
+        generate_variants(model, None, warm, policies, options)  # builds / loads the compiled kernel
+        for item in items:
+            prompt = Prompt(input_ids=item["input_ids"], question_start=item["question_start"], example_id=item["id"])
+            t0 = time.perf_counter()
+            generate_variants(model, None, prompt, policies, options)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def kvpress_seconds(python: str, spec_path: Path, out_dir: Path) -> list[float]:
+    """Per prompt: the sum over the 11 configurations of kvpress's own prefill + decode (kvpress_side.py --time)."""
+    subprocess.run([python, str(SIDE), "--time", str(spec_path), str(out_dir)], check=True)
+    return json.loads((out_dir / "kvpress_times.json").read_text())["per_prompt_s"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=4, help="prompts")
+    ap.add_argument("--reps", type=int, default=2, help="repetitions of both sides, alternating")
+    ap.add_argument("--context-tokens", type=int, default=1024)
+    ap.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
+    ap.add_argument("--out", default="outputs/kvpress_speed")
+    args = ap.parse_args(argv)
+    if not Path(args.kvpress_python).is_file():
+        raise SystemExit(
+            f"error: {args.kvpress_python} not found; build kvpress's environment with `make .venv-kvpress/.installed`"
+        )
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_model(MODEL)
+    items = prompts(tokenizer, args.n, args.context_tokens, KEEP[0])
+    for item in items:  # kvpress's compression ratio per kept share, as kvpress_check sets it
+        qs = item["question_start"]
+        item["compression_ratios"] = {f"{b:g}": 1.0 - (round(b * qs) + 0.5) / qs for b in KEEP}
+    spec = dict(model_dir=str(default_cache_dir() / MODEL), presses=list(PRESSES), keep=[f"{b:g}" for b in KEEP],
+                max_new_tokens=NEW_TOKENS, prompts=items)  # fmt: skip
+    spec_path = out / "speed_prompts.json"
+    spec_path.write_text(json.dumps(spec))
+    ours, theirs = [], []
+    for rep in range(args.reps):
+        for side in ("kvpress", "kvcert") if rep % 2 == 0 else ("kvcert", "kvpress"):
+            if side == "kvpress":
+                theirs += kvpress_seconds(args.kvpress_python, spec_path, out)
+            else:
+                ours += kvcert_seconds(model, items)
+            print(f"rep {rep} {side} done", flush=True)
+    kvpress_cfg = statistics.median(theirs) / N_CONFIGS
+    kvcert_cfg = statistics.median(ours) / N_CONFIGS
+    result = dict(
+        cpu=cpu_model(),
+        threads=1,
+        model=MODEL,
+        prompts=args.n,
+        prompt_tokens=[len(i["input_ids"]) for i in items],
+        new_tokens=NEW_TOKENS,
+        configurations=N_CONFIGS,
+        reps=args.reps,
+        kvpress_s_per_prompt=theirs,
+        kvcert_s_per_prompt=ours,
+        kvpress_s_per_configuration=kvpress_cfg,
+        kvcert_s_per_configuration=kvcert_cfg,
+        ratio=kvpress_cfg / kvcert_cfg,
+    )
+    (out / "kvpress_speed.json").write_text(json.dumps(result, indent=2))
+    text = (
+        f"kvpress 0.5.5 vs kvcert, {MODEL} float32, 1 thread, CPU {result['cpu']}: {args.n} prompts of "
+        f"{min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens, {NEW_TOKENS} new tokens, "
+        f"{N_CONFIGS} configurations, {args.reps} alternating repetitions\n\n"
+        f"| side | seconds per configuration (median) |\n|---|---|\n"
+        f"| kvpress (each configuration on its own) | {kvpress_cfg:.3f} |\n"
+        f"| kvcert (one serving-mode prefill, one batch, certificate on) | {kvcert_cfg:.3f} |\n\n"
+        f"kvpress / kvcert per configuration: **{result['ratio']:.1f}x** (target >= 12x)\n"
+    )
+    (out / "kvpress_speed.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
