@@ -245,7 +245,7 @@ def test_the_full_regeneration_check_compares_every_row_and_every_verdict(tmp_pa
     more than its tolerance on one row fails; a regeneration missing examples is refused in one line."""
     import json
 
-    from kvcert.studies.study4 import full_regeneration_check
+    from kvcert.studies.study4_regeneration import full_regeneration_check
 
     rows = _write_study(tmp_path)
     regen = tmp_path / "results/study4/smollm2/regenerated"
@@ -256,22 +256,30 @@ def test_the_full_regeneration_check_compares_every_row_and_every_verdict(tmp_pa
     passed, text = full_regeneration_check("smollm2", tmp_path)
     assert passed and "all 40 examples regenerated: **PASS**" in text
     table = _report_rows(text)
-    assert table["identical answers"] == ("120 / 120", "pass") and table["P1 verdict"][1] == "pass"
+    assert table["identical answers"]["value"] == "120 / 120" and table["P1 verdict"]["result"] == "pass"
     assert {k for k in table if k.endswith(" verdict")} == {f"{c} verdict" for c in _claim_ids()}
     off = [dict(r, certificate=r["certificate"] * 1.01) if i == 7 else r for i, r in enumerate(rows)]
     (regen / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in off))
     passed, text = full_regeneration_check("smollm2", tmp_path)
-    value, result = _report_rows(text)["certificate (rel difference, identical answers)"]
-    assert not passed and result == "FAIL" and float(value) == pytest.approx(0.01 / 1.0, rel=0.02)
+    row = _report_rows(text)["certificate (rel difference, identical answers)"]
+    assert not passed and row["result"] == row["locked_result"] == "FAIL"
+    assert float(row["value"]) == pytest.approx(0.01, rel=0.02)
+    # a derived tolerance (study4 derive) above the change passes it, and the locked tolerance's FAIL stays beside it
+    derived = {"models": {"smollm2": {"derived": {"certificate": 0.02, "logprob": 1e-9, "probe_error": 0.0}}}}
+    (tmp_path / "preregistration/study4/regeneration_tolerances.json").write_text(json.dumps(derived))
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    row = _report_rows(text)["certificate (rel difference, identical answers)"]
+    assert passed and (row["result"], row["locked_result"], row["tolerance"]) == ("pass", "FAIL", "<= 0.02")
+    assert _report_rows(text)["logprob (abs difference, identical answers)"]["tolerance"] == "<= 0.001"  # the larger
     (regen / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:-3]))
     with pytest.raises(SystemExit, match="lacks 1 examples"):
         full_regeneration_check("smollm2", tmp_path)
 
 
-def _report_rows(text: str) -> dict[str, tuple[str, str]]:
-    """{item: (value, result)} of a regeneration report's table."""
+def _report_rows(text: str) -> dict[str, dict[str, str]]:
+    """{item: {column: cell}} of a regeneration report's table."""
     cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
-    return {c[0]: (c[1], c[3]) for c in cells[1:]}
+    return {row[0]: dict(zip(cells[0], row)) for row in cells[1:]}
 
 
 def _claim_ids() -> set[str]:

@@ -7,6 +7,7 @@
     python -m kvcert.studies.study4 regenerate-check -n 5  # rerun 5 recorded examples per model and compare
     python -m kvcert.studies.study4 run --model smollm2 --regenerate   # make reproduce: every record again ...
     python -m kvcert.studies.study4 regenerate-check --regenerated     # ... compared, verdicts decided again
+    python -m kvcert.studies.study4 derive -n 5            # regeneration tolerances from measured float noise
 
 `run` refuses before study 4's lock exists (the lock precedes every record). Records:
 results/study4/<model>/answers.jsonl; analysis: results/study4/<model>/{claims.json, report.md}.
@@ -238,91 +239,6 @@ def token_reference(tag: str, root: Path = Path("."), threads: int = 1) -> Path:
     return path
 
 
-SIGNAL_TOLERANCE = {"certificate": ("rel", 1e-3), "logprob": ("abs", 1e-3), "probe_error": ("rel", 1e-3)}
-IDENTICAL_SHARE = 0.95  # answers (compressed and full) identical in at least this share of regenerated rows
-
-
-def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 1) -> tuple[bool, str]:
-    """Regenerate the first n recorded examples (by id) of one model and compare them with the records
-    (`compare_regenerated`). Returns (passed, a Markdown report)."""
-    import pandas as pd
-    import torch
-
-    from kvcert.hf import load_model
-    from kvcert.studies.study4_collect import example_rows, load_answers
-
-    records = load_answers(root / RESULTS / tag / "answers.jsonl")
-    design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
-    torch.set_num_threads(threads)
-    model, tokenizer = load_model(MODELS[tag])
-    by_id = {e.id: e for e in examples_for(design, tag, tokenizer)}
-    ids = sorted(set(records["example_id"]) & set(by_id))[:n]
-    new = pd.DataFrame([r for i in ids for r in example_rows(model, tokenizer, by_id[i], design["budgets"],
-                                                                model_name=MODELS[tag])])  # fmt: skip
-    passed, rows = compare_regenerated(records, new)
-    return passed, _check_report(tag, f"{len(ids)} examples (the first by id)", passed, rows)
-
-
-def full_regeneration_check(tag: str, root: Path = Path(".")) -> tuple[bool, str]:
-    """make reproduce's comparison: the full regeneration (`run --regenerate`) against the published records, by
-    `compare_regenerated`, and every claim decided again on the regenerated records with its verdict compared."""
-    from kvcert.studies.study4_claims import evaluate_claims
-    from kvcert.studies.study4_collect import load_answers
-
-    path = root / RESULTS / tag / REGENERATED / "answers.jsonl"
-    if not complete(tag, root) or not path.is_file():
-        raise SystemExit(
-            f"study4 {tag}: no complete regeneration at {path}; run `study4 run --model {tag} --regenerate`"
-        )
-    records, new = load_answers(root / RESULTS / tag / "answers.jsonl"), load_answers(path)
-    missing = set(records["example_id"]) - set(new["example_id"])
-    if missing:
-        raise SystemExit(f"study4 {tag}: the regeneration lacks {len(missing)} examples; rerun it (it resumes)")
-    passed, rows = compare_regenerated(records, new)
-    predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())
-    published, again = evaluate_claims(records, predictions), evaluate_claims(new, predictions)
-    for cid, claim in published.items():
-        same = claim["verdict"] == again[cid]["verdict"]
-        passed &= same
-        rows.append(dict(item=f"{cid} verdict", value=f"{claim['verdict']} / {again[cid]['verdict']}",
-                         tolerance="identical", result="pass" if same else "FAIL"))  # fmt: skip
-    n = int(new["example_id"].nunique())
-    return passed, _check_report(tag, f"all {n} examples regenerated", passed, rows)
-
-
-def compare_regenerated(records, new) -> tuple[bool, list[dict]]:
-    """Published vs regenerated rows (matched by example and budget): the share of identical answers (compressed and
-    full cache, IDENTICAL_SHARE) and, on identical answers, each signal against SIGNAL_TOLERANCE."""
-    both = records.merge(new, on=["example_id", "budget"], suffixes=("_published", "_regenerated"))
-    same = (both["answer_published"] == both["answer_regenerated"]) & (
-        both["full_answer_published"] == both["full_answer_regenerated"]
-    )
-    rows, passed = [], bool(same.mean() >= IDENTICAL_SHARE) if len(both) else False
-    rows.append(dict(item="identical answers", value=f"{int(same.sum())} / {len(both)}",
-                     tolerance=f">= {IDENTICAL_SHARE:.0%}", result="pass" if passed else "FAIL"))  # fmt: skip
-    for name, (kind, tol) in SIGNAL_TOLERANCE.items():
-        a, b = both.loc[same, f"{name}_published"], both.loc[same, f"{name}_regenerated"]
-        diff = (a - b).abs() / (a.abs().clip(lower=1e-12) if kind == "rel" else 1.0)
-        worst = float(diff.max()) if len(diff) else 0.0
-        ok = bool(worst <= tol) or bool(((a.isna()) & (b.isna())).all())
-        passed &= ok
-        rows.append(dict(item=f"{name} ({kind} difference, identical answers)", value=f"{worst:.2e}",
-                         tolerance=f"<= {tol:g}", result="pass" if ok else "FAIL"))  # fmt: skip
-    return passed, rows
-
-
-def _check_report(tag: str, what: str, passed: bool, rows: list[dict]) -> str:
-    import pandas as pd
-
-    from kvcert.analysis.tables import markdown_table
-
-    return "\n\n".join([
-        f"# Study 4 regeneration check: {MODELS[tag]}",
-        f"{what}: **{'PASS' if passed else 'FAIL'}**",
-        markdown_table(pd.DataFrame(rows)),
-    ]) + "\n"  # fmt: skip
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -338,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
     g.add_argument("--regenerated", action="store_true", help="compare the full regeneration (make reproduce)")
+    d = sub.add_parser("derive", help="regeneration tolerances from measured float noise (1 vs 2 threads)")
+    d.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
     if args.cmd == "select":
         design = select()
@@ -347,7 +265,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {run(args.model, args.threads, regenerate=args.regenerate)}")
     elif args.cmd == "token-reference":
         print(f"wrote {token_reference(args.model)}")
+    elif args.cmd == "derive":
+        from kvcert.studies.study4_regeneration import TOLERANCES, derive_tolerances
+
+        derived = derive_tolerances(args.n)
+        (PREREG / TOLERANCES).write_text(json.dumps(derived, indent=2) + "\n")
+        print(json.dumps(derived["models"], indent=1))
     elif args.cmd == "regenerate-check":
+        from kvcert.studies.study4_regeneration import full_regeneration_check, regeneration_check
+
         ok = True
         for tag in MODELS:
             if (RESULTS / tag / "answers.jsonl").is_file():
