@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
     g.add_argument("--regenerated", action="store_true", help="compare the full regeneration (make reproduce)")
-    d = sub.add_parser("derive", help="regeneration tolerances from measured float noise (1 vs 2 threads)")
+    d = sub.add_parser("derive", help="regeneration tolerances from measured float noise (threads, torch ops)")
     d.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
     if args.cmd == "select":
