@@ -34,3 +34,26 @@ def test_one_timed_call_per_prompt_with_every_configuration_in_one_batch(tiny_sm
 def test_it_refuses_in_one_line_without_kvpress_environment(tmp_path):
     with pytest.raises(SystemExit, match="not found; build kvpress's environment"):
         kvpress_speed.main(["--kvpress-python", str(tmp_path / "nope" / "python")])
+
+
+def test_the_report_gives_the_ratio_and_its_ceilings_from_the_measured_parts(tmp_path, monkeypatch, tiny_smol):
+    """Known values through main(): kvpress 11 s a prompt, kvcert read 1.5 s + decode 0.5 s, one forward 1 s ->
+    per configuration 1.0 s vs 2/11 s = 5.5x; ceilings 11 / 1.5 and 11 / 1.0."""
+    import json
+
+    python = tmp_path / "python"
+    python.write_text("")
+    monkeypatch.setattr(kvpress_speed, "load_model", lambda name: tiny_smol)
+    monkeypatch.setattr(kvpress_speed, "kvpress_seconds", lambda *a: [11.0, 11.0])
+    part = dict(total=2.0, read=1.5, decode=0.5, plain_forward=1.0)
+    monkeypatch.setattr(kvpress_speed, "kvcert_seconds", lambda model, items: [part] * len(items))
+    out = tmp_path / "out"
+    assert kvpress_speed.main(["--n", "2", "--reps", "1", "--context-tokens", "200", "--kvpress-python", str(python),
+                               "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads((out / "kvpress_speed.json").read_text())
+    assert result["ratio"] == pytest.approx(5.5)
+    assert result["ratio_free_decode"] == pytest.approx(11 / 1.5) and result["ratio_one_forward"] == pytest.approx(11)
+    text = (out / "kvpress_speed.md").read_text()
+    assert (
+        "**5.5x**" in text and "| kvpress (each configuration on its own)" in text and "7.3x with a free decode" in text
+    )

@@ -30,8 +30,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pandas as pd
 import torch
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.bench.common import no_eos
 from kvcert.bench.kvpress_check import MODEL, SIDE, prompts
 from kvcert.hf import DecodeOptions, Prompt, compress_while_reading, generate_variants
@@ -148,13 +150,21 @@ def main(argv=None) -> int:
         ratio_one_forward=kvpress_cfg * N_CONFIGS / part["plain_forward"],
     )
     (out / "kvpress_speed.json").write_text(json.dumps(result, indent=2))
+    table = markdown_table(
+        pd.DataFrame(
+            {
+                "side": ["kvpress (each configuration on its own)",
+                         "kvcert (one serving-mode prefill, one batch, certificate on)"],
+                "seconds per configuration (median)": [kvpress_cfg, kvcert_cfg],
+            }
+        ),
+        floatfmt=".3f",
+    )  # fmt: skip
     text = (
         f"kvpress 0.5.5 vs kvcert, {MODEL} float32, 1 thread, CPU {result['cpu']}: {args.n} prompts of "
         f"{min(result['prompt_tokens'])}-{max(result['prompt_tokens'])} tokens, {NEW_TOKENS} new tokens, "
         f"{N_CONFIGS} configurations, {args.reps} alternating repetitions\n\n"
-        f"| side | seconds per configuration (median) |\n|---|---|\n"
-        f"| kvpress (each configuration on its own) | {kvpress_cfg:.3f} |\n"
-        f"| kvcert (one serving-mode prefill, one batch, certificate on) | {kvcert_cfg:.3f} |\n\n"
+        f"{table}\n\n"
         f"kvpress / kvcert per configuration: **{result['ratio']:.1f}x** (target >= 12x)\n\n"
         f"kvcert per prompt (median): read {part['read']:.2f} s (the prompt once, then the question through each of "
         f"the {N_CONFIGS - 1} compressed caches), decode {part['decode']:.2f} s ({NEW_TOKENS} steps, batch "
