@@ -372,3 +372,46 @@ def test_calibrate_and_generate_on_the_packaged_model(tmp_path):
     assert all(out.trusted) and out.calibration == "calib.json" and out.kv_bytes < 0.5 * out.full_kv_bytes
     with pytest.raises(CalibrationError, match="budgets"):
         generate(model, tok, context=ex.context, question=ex.question, budget=0.75, calibration=path)
+
+
+def test_escalation_thresholds_are_the_budgets_own_when_the_file_has_them(tiny_smol):
+    """A calibration with per-budget tables: the certificate threshold for a rate comes from the policy's budget
+    (the pooled table otherwise), and generate's default escalation acts on it."""
+    from dataclasses import replace
+
+    cal = Calibration(model="m", n_layers=2, policy={}, budgets=[0.25, 0.5], multipliers=[1.0, 1.0],
+                      thresholds={"0.2": 9.0}, budget_thresholds={"0.25": {"0.1": 1.0, "0.2": 2.0}})  # fmt: skip
+    assert cal.signal_threshold("certificate", 0.2, budget=0.25) == 2.0
+    assert cal.signal_threshold("certificate", 0.15, budget=0.25) in (1.0, 2.0)  # the nearest fitted rate
+    assert cal.signal_threshold("certificate", 0.2, budget=0.5) == 9.0 == cal.signal_threshold("certificate", 0.2)
+    model, tok = tiny_smol
+    ex = _example(tok, seed=7009)
+    policy = default_policy(0.25)
+    base = replace(_calibration(model, policy), thresholds={"0.2": 1e9})
+    kw = dict(context=ex.context, question=ex.question, policy=policy, model_name="tiny", max_new_tokens=4)
+    with no_eos(model):
+        pooled = generate(model, tok, calibration=base, **kw)
+        own = generate(model, tok, calibration=replace(base, budget_thresholds={"0.25": {"0.2": -1.0}}), **kw)
+        other = generate(model, tok, calibration=replace(base, budget_thresholds={"0.5": {"0.2": -1.0}}), **kw)
+    assert pooled.escalations == [] and other.escalations == [] and len(own.escalations) == 1
+
+
+def test_the_shipped_thresholds_per_budget_are_study_4s():
+    """The packaged models' files hold, per budget, the 1 - rate quantile of the answer's largest certificate on study
+    4's calibration split (recomputed here from the published records with pandas and numpy)."""
+    import json
+    from pathlib import Path
+
+    from kvcert.serve.calibration import shipped
+    from kvcert.studies.study4_claims import in_calibration_split
+
+    for tag, name in (("smollm2", "smollm2-135m-instruct"), ("gemma3", "gemma3-270m")):
+        lines = Path(f"results/study4/{tag}/answers.jsonl").read_text().splitlines()
+        df = pd.DataFrame([json.loads(line) for line in lines])
+        cal = shipped(name)
+        assert set(cal.budget_thresholds) == {"0.5", "0.25", "0.125"} and "study 4" in cal.budget_thresholds_source
+        for budget, table in cal.budget_thresholds.items():
+            rows = df[df["example_id"].map(in_calibration_split) & np.isclose(df["budget"], float(budget))]
+            scores = rows["certificate"].dropna().to_numpy(np.float64)
+            for rate, threshold in table.items():
+                assert threshold == pytest.approx(float(np.quantile(scores, 1 - float(rate))), rel=1e-12)

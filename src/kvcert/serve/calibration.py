@@ -52,6 +52,10 @@ class Calibration:
     reduction: str = "max"
     level: float = LEVEL
     thresholds: dict[str, float] = field(default_factory=dict)  # target escalation rate -> certificate threshold
+    # certificate thresholds per budget (budget -> rate -> threshold; the answer's score differs by budget, so one
+    # pooled table escalates mostly the smallest budget's answers); used for a budget it holds, `thresholds` otherwise
+    budget_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
+    budget_thresholds_source: str = ""
     # the answer-level signals beyond the certificate: signal -> {rate: threshold}; and the logistic models of a
     # cache-induced failure: name ("probe", "combined") -> {"features", "mean", "scale", "coef", "intercept"}
     signal_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -102,11 +106,12 @@ class Calibration:
     def multiplier_tensor(self) -> torch.Tensor:
         return torch.tensor([math.nan if m is None else m for m in self.multipliers], dtype=torch.float64)
 
-    def signal_threshold(self, signal: str, rate: float) -> float:
+    def signal_threshold(self, signal: str, rate: float, budget: float | None = None) -> float:
         """The threshold of an answer-level signal ("certificate", "probe", "combined") that escalates a share
-        `rate` of answers (the nearest fitted rate)."""
+        `rate` of answers (the nearest fitted rate); for the certificate, the budget's own table when the file has
+        one for `budget`."""
         if signal == "certificate":
-            return self.threshold(rate)
+            return self.threshold(rate, budget)
         table = self.signal_thresholds.get(signal)
         if not table:
             raise CalibrationError(f"this calibration file has no {signal} thresholds: rerun `kvcert calibrate`")
@@ -135,12 +140,15 @@ class Calibration:
         values = {"certificate": certificate, "logprob": logprob, "probe_error": probe_error, "budget": budget}
         return self._risk("combined", values)
 
-    def threshold(self, rate: float) -> float:
-        """The certificate threshold that escalates a share `rate` of answers (the nearest fitted rate)."""
-        if not self.thresholds:
+    def threshold(self, rate: float, budget: float | None = None) -> float:
+        """The certificate threshold that escalates a share `rate` of answers (the nearest fitted rate), from the
+        budget's own table when there is one (`budget_thresholds`), else the pooled one."""
+        table = self.budget_thresholds.get(f"{budget:g}") if budget is not None else None
+        table = table or self.thresholds
+        if not table:
             raise CalibrationError("this calibration file has no escalation thresholds: rerun `kvcert calibrate`")
-        nearest = min(self.thresholds, key=lambda r: abs(float(r) - rate))
-        return float(self.thresholds[nearest])
+        nearest = min(table, key=lambda r: abs(float(r) - rate))
+        return float(table[nearest])
 
 
 def shipped(model: str) -> Calibration | None:
@@ -296,6 +304,12 @@ def fit(
     cal_scores = answers.loc[answers["example_id"].isin(cal_ids), f"cert_{chosen}"].dropna().to_numpy()
     thresholds = {f"{r:g}": float(np.quantile(cal_scores, 1 - r)) for r in rates} if len(cal_scores) else {}
     test_scores = answers.loc[answers["example_id"].isin(test_ids), f"cert_{chosen}"].dropna().to_numpy()
+    cal_answers = answers[answers["example_id"].isin(cal_ids)]
+    budget_thresholds = {
+        f"{b:g}": {f"{r:g}": float(np.quantile(s, 1 - r)) for r in rates}
+        for b, g in cal_answers.groupby("budget")
+        if len(s := g[f"cert_{chosen}"].dropna().to_numpy())
+    }
     report["held_out_escalation_rate"] = {r: float((test_scores > t).mean()) for r, t in thresholds.items()}
     models, signal_thresholds = {}, {}
     if {"probe_error", "logprob"} <= set(answers.columns):  # collections made before the probe lack them
@@ -308,6 +322,7 @@ def fit(
         multipliers=multipliers,
         reduction=chosen,
         thresholds=thresholds,
+        budget_thresholds=budget_thresholds,
         report=report,
         answers=answers,
         models=models,
@@ -361,6 +376,8 @@ def calibrate(
         multipliers=res["multipliers"],
         reduction=res["reduction"],
         thresholds=res["thresholds"],
+        budget_thresholds=res["budget_thresholds"],
+        budget_thresholds_source="kvcert calibrate: the calibration half's answers at each budget",
         signal_thresholds=res["signal_thresholds"],
         models=res["models"],
         data={**data, "n_examples": len(examples), "split_seed": split_seed, "collect_s": collect_s},

@@ -301,7 +301,7 @@ def generate(
     if escalate is not None:
         threshold = escalate.threshold
         if threshold is None and cal is not None and escalate.signal in CALIBRATED_SIGNALS:
-            threshold = cal.signal_threshold(escalate.signal, escalate.rate)
+            threshold = cal.signal_threshold(escalate.signal, escalate.rate, budget=policy.budget)
         if escalate.signal == "combined" and (cal is None or "combined" not in cal.models):
             raise CalibrationError(
                 "the combined signal needs a calibration file with a combined model: rerun `kvcert calibrate`"

@@ -8,6 +8,7 @@
     python -m kvcert.studies.study4 run --model smollm2 --regenerate   # make reproduce: every record again ...
     python -m kvcert.studies.study4 regenerate-check --regenerated     # ... compared, verdicts decided again
     python -m kvcert.studies.study4 derive -n 5            # regeneration tolerances from measured float noise
+    python -m kvcert.studies.study4 thresholds             # per-budget escalation thresholds -> shipped calibrations
 
 `run` refuses before study 4's lock exists (the lock precedes every record). Records:
 results/study4/<model>/answers.jsonl; analysis: results/study4/<model>/{claims.json, report.md}.
@@ -239,6 +240,43 @@ def token_reference(tag: str, root: Path = Path("."), threads: int = 1) -> Path:
     return path
 
 
+THRESHOLD_RATES = (0.05, 0.1, 0.2, 0.3)
+
+
+def budget_thresholds(tag: str, root: Path = Path(".")) -> dict[str, dict[str, float]]:
+    """Per budget and rate, the certificate threshold study 4's analysis uses (P1's rule: the 1 - rate quantile of
+    the answer's largest certificate on the calibration split, `study4_analysis.policy_outcomes`)."""
+    from kvcert.studies.study4_analysis import policy_outcomes
+    from kvcert.studies.study4_claims import scored
+    from kvcert.studies.study4_collect import load_answers
+
+    records = load_answers(root / RESULTS / tag / "answers.jsonl")
+    out = {}
+    for budget in sorted(records["budget"].unique()):
+        cal, conf = scored(records, float(budget))
+        out[f"{budget:g}"] = {f"{r:g}": policy_outcomes(conf, cal, "certificate", r)[1] for r in THRESHOLD_RATES}
+    return out
+
+
+def ship_thresholds(root: Path = Path(".")) -> list[Path]:
+    """Write each model's per-budget thresholds into its shipped calibration file (nothing else in it changes)."""
+    from kvcert.serve.calibration import Calibration
+
+    written = []
+    for tag, name in MODELS.items():
+        if not complete(tag, root):
+            continue
+        path = root / "src/kvcert/serve/calibrations" / f"{name}.json"
+        cal = Calibration.load(path)
+        cal.budget_thresholds = budget_thresholds(tag, root)
+        cal.budget_thresholds_source = (
+            "study 4's calibration split (30% by id hash; preregistration/study4/PLAN.md), "
+            "python -m kvcert.studies.study4 thresholds"
+        )
+        written.append(cal.save(path))
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -254,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("regenerate-check", help="regenerate the first N recorded examples per model and compare")
     g.add_argument("-n", type=int, default=5)
     g.add_argument("--regenerated", action="store_true", help="compare the full regeneration (make reproduce)")
+    sub.add_parser("thresholds", help="per-budget escalation thresholds into the shipped calibration files")
     d = sub.add_parser("derive", help="regeneration tolerances from measured float noise (threads, torch ops)")
     d.add_argument("-n", type=int, default=5)
     args = p.parse_args(argv)
@@ -265,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {run(args.model, args.threads, regenerate=args.regenerate)}")
     elif args.cmd == "token-reference":
         print(f"wrote {token_reference(args.model)}")
+    elif args.cmd == "thresholds":
+        for path in ship_thresholds():
+            print(f"wrote {path}")
     elif args.cmd == "derive":
         from kvcert.studies.study4_regeneration import TOLERANCES, derive_tolerances
 
