@@ -237,6 +237,12 @@ def token_scores(cells: pd.DataFrame, multipliers: torch.Tensor, reduction: str)
     return pd.DataFrame({"certificate": value.numpy()}, index=index).reset_index()
 
 
+def _rate_thresholds(scores: pd.Series, rates) -> dict[str, float]:
+    """{rate: the score above which that share of answers escalates} (the 1 - rate quantile); {} without scores."""
+    values = scores.dropna().to_numpy()
+    return {f"{r:g}": float(np.quantile(values, 1 - r)) for r in rates} if len(values) else {}
+
+
 def fit(
     answers: pd.DataFrame,
     cells: pd.DataFrame,
@@ -301,15 +307,13 @@ def fit(
     finite = {r: v for r, v in report["auroc"].items() if math.isfinite(v)}
     chosen = max(finite, key=finite.get) if finite else "max"
     report["reduction_rule"] = "the larger held-out AUROC (max when neither is defined)"
-    cal_scores = answers.loc[answers["example_id"].isin(cal_ids), f"cert_{chosen}"].dropna().to_numpy()
-    thresholds = {f"{r:g}": float(np.quantile(cal_scores, 1 - r)) for r in rates} if len(cal_scores) else {}
-    test_scores = answers.loc[answers["example_id"].isin(test_ids), f"cert_{chosen}"].dropna().to_numpy()
     cal_answers = answers[answers["example_id"].isin(cal_ids)]
+    thresholds = _rate_thresholds(cal_answers[f"cert_{chosen}"], rates)
+    test_scores = answers.loc[answers["example_id"].isin(test_ids), f"cert_{chosen}"].dropna().to_numpy()
     budget_thresholds = {
-        f"{b:g}": {f"{r:g}": float(np.quantile(s, 1 - r)) for r in rates}
-        for b, g in cal_answers.groupby("budget")
-        if len(s := g[f"cert_{chosen}"].dropna().to_numpy())
+        f"{b:g}": _rate_thresholds(g[f"cert_{chosen}"], rates) for b, g in cal_answers.groupby("budget")
     }
+    budget_thresholds = {b: table for b, table in budget_thresholds.items() if table}
     report["held_out_escalation_rate"] = {r: float((test_scores > t).mean()) for r, t in thresholds.items()}
     models, signal_thresholds = {}, {}
     if {"probe_error", "logprob"} <= set(answers.columns):  # collections made before the probe lack them

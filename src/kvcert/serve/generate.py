@@ -372,7 +372,7 @@ def _resolve_escalation(escalate, cal: Calibration | None, policy: Policy) -> Es
         if policy.is_full or cal is None or policy.budget >= DEFAULT_ESCALATION.budget:
             return None
         try:
-            cal.signal_threshold(DEFAULT_ESCALATION.signal, DEFAULT_ESCALATION.rate)
+            cal.signal_threshold(DEFAULT_ESCALATION.signal, DEFAULT_ESCALATION.rate, budget=policy.budget)
         except CalibrationError:  # an older calibration file without escalation thresholds
             return None
         return DEFAULT_ESCALATION
