@@ -16,25 +16,10 @@ import pandas as pd
 
 from kvcert.analysis.claims import ClaimResult, claim_ids
 
+# round_frame and SIGNIFICANT_DIGITS are re-exported: callers (pilot, model_dependence, tests) import them from here
+from kvcert.analysis.tables import SIGNIFICANT_DIGITS, markdown_table, round_float, round_frame  # noqa: F401
+
 ROW_KEYS = ("id", "claim", "prediction", "observed", "ci", "verdict", "paper_verdict", "agrees_with_paper")
-# Every float the analysis writes (JSON, CSV, Markdown, HTML) carries this many significant digits: the last bits of
-# a sum depend on the CPU's summation order, and the written files must be byte-identical on any machine.
-SIGNIFICANT_DIGITS = 10
-
-
-def round_float(x: float) -> float:
-    """x to SIGNIFICANT_DIGITS significant digits (24.361111111111107 and 24.36111111111111 -> 24.36111111);
-    NaN and inf pass through."""
-    return float(f"{float(x):.{SIGNIFICANT_DIGITS}g}")
-
-
-def round_frame(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy of df with every float column rounded by round_float (as float64), for the CSV and Markdown tables."""
-    out = df.copy()
-    for col in out.columns:
-        if pd.api.types.is_float_dtype(out[col].dtype):
-            out[col] = np.array([round_float(v) for v in out[col].to_numpy(np.float64)], dtype=np.float64)
-    return out
 
 
 def jsonable(obj: object) -> object:
@@ -123,8 +108,6 @@ HEADER = ["id", "claim", "prediction", "observed [95% CI]", "verdict", "paper", 
 def scorecard_markdown(scorecard: Mapping) -> str:
     def esc(s: str) -> str:
         return s.replace("|", "\\|").replace("\n", " ")
-
-    from kvcert.analysis.tables import markdown_table  # here: kvcert.analysis.tables imports this module
 
     rows = [[esc(x) for x in _row_cells(c)] for c in scorecard["claims"]]
     table = markdown_table(pd.DataFrame(rows, columns=HEADER), parse_numbers=False)

@@ -1,5 +1,6 @@
-"""The descriptive tables beside the claims (CSV): accuracy vs budget, per-variant summary, coverage tables; and the one
-Markdown table renderer every report uses (markdown_table)."""
+"""The descriptive tables beside the claims (CSV): accuracy vs budget, per-variant summary, coverage tables; the one
+Markdown table renderer every report uses (markdown_table) and the rounding every written float goes through
+(round_float, round_frame; kvcert.analysis.scorecard imports them from here, below it)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,25 @@ import pandas as pd
 
 from kvcert.analysis.accuracy import accuracy_vs_budget
 from kvcert.analysis.coverage import calibration_curve, coverage_table, steps_for
-from kvcert.analysis.scorecard import round_frame
+
+# Every float the analysis writes (JSON, CSV, Markdown, HTML) carries this many significant digits: the last bits of
+# a sum depend on the CPU's summation order, and the written files must be byte-identical on any machine.
+SIGNIFICANT_DIGITS = 10
+
+
+def round_float(x: float) -> float:
+    """x to SIGNIFICANT_DIGITS significant digits (24.361111111111107 and 24.36111111111111 -> 24.36111111);
+    NaN and inf pass through."""
+    return float(f"{float(x):.{SIGNIFICANT_DIGITS}g}")
+
+
+def round_frame(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy of df with every float column rounded by round_float (as float64), for the CSV and Markdown tables."""
+    out = df.copy()
+    for col in out.columns:
+        if pd.api.types.is_float_dtype(out[col].dtype):
+            out[col] = np.array([round_float(v) for v in out[col].to_numpy(np.float64)], dtype=np.float64)
+    return out
 
 
 def markdown_table(df: pd.DataFrame, floatfmt: str = "g", *, parse_numbers: bool = True) -> str:

@@ -1,7 +1,7 @@
 """Analyze the studies from their published records (`python -m kvcert.reproduce analyze`, `make analyze`: no model,
 no raw steps): each study's claims, tables, figures and own scorecard (analyze, analyze_records), the secondary
 predictions of studies 2 and 3, the combined scorecard results/scorecard.{json,md,html} (combine) and study 3's
-model-dependence table (model_dependence_rows); the studies' settings are kvcert.reproduce.settings."""
+model-dependence table (model_dependence_rows); the studies' settings are kvcert.studies.registry.settings."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pandas as pd
 from kvcert.analysis.claims import ClaimResult, registry
 from kvcert.run import ROOT
 from kvcert.studies.published import load_published
+from kvcert.studies.registry import STUDIES, settings
 
 # N each claim needs for its decision margin (PLAN.md section 4, from study 1's per-example SDs)
 STUDY2_POWER_TARGET_N = {"C1": 13, "C2": 119, "C3": 273, "C4": 249, "C5": 304, "C6": 237, "C7": 354}
@@ -40,7 +41,6 @@ def analyze(profile: str = "confirmatory", *, study: str = "study1") -> dict:
 
     from kvcert.analysis.scorecard import jsonable
     from kvcert.prereg import verify
-    from kvcert.reproduce import settings
     from kvcert.studies import published
 
     st = settings(study, profile)
@@ -102,7 +102,6 @@ def published_records(published_dir: Path) -> tuple[dict, pd.DataFrame]:
 def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     """The combined scorecard (kvcert.studies.scorecard) -> results/scorecard.{json,md,html} (the profile's
     study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
-    from kvcert.reproduce import settings
     from kvcert.studies.scorecard import combined_scorecard, write_combined
     from kvcert.studies.study4 import scorecard_cards
 
@@ -133,7 +132,6 @@ def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
     and claim results -> results/study3/model_dependence.{csv,md}."""
     import yaml
 
-    from kvcert.reproduce import STUDIES, settings
     from kvcert.studies.study3 import study3_report
 
     records, documents, cards = {}, {}, {}
