@@ -101,15 +101,67 @@ def test_missing_local_folder_is_one_line() -> None:
     assert "\n" not in msg and "/nonexistent/kvcert/model-folder" in msg and "does not exist" in msg
 
 
-def test_unavailable_hub_id_offline_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unavailable_hub_id_offline_fails_at_once_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Offline (the Makefile exports HF_HUB_OFFLINE=1), a hub id that is not in the cache: one line, at once, naming
+    a command that the installed huggingface_hub ships (`hf`, not the retired `huggingface-cli`)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    start = time.perf_counter()
     with pytest.raises(ModelLoadError) as err:
         load_model("kvcert-test/no-such-model")
+    assert time.perf_counter() - start < 3.0
     msg = str(err.value)
-    assert "\n" not in msg
-    assert "kvcert-test/no-such-model" in msg and "huggingface-cli download kvcert-test/no-such-model" in msg
-    assert "HF_HUB_OFFLINE=1" in msg
+    assert "\n" not in msg and "huggingface-cli" not in msg
+    assert "kvcert-test/no-such-model" in msg and "`hf download kvcert-test/no-such-model`" in msg
+    assert "HF_HUB_OFFLINE=1" in msg and "not in the local Hugging Face cache" in msg
+
+
+def test_unreachable_hub_reads_the_cache_once_without_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online but the hub does not answer: one failed request, then the local cache alone (no five retries)."""
+    import huggingface_hub.utils
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    requests: list[str] = []
+
+    class Unreachable:
+        def head(self, url: str, **kwargs) -> None:
+            requests.append(url)
+            raise OSError("[Errno -2] Name or service not known")
+
+        def request(self, *args, **kwargs) -> None:  # a retried file request would land here
+            raise AssertionError("the hub was asked for a file after it did not answer")
+
+        def stream(self, *args, **kwargs) -> None:
+            raise AssertionError("the hub was asked for a file after it did not answer")
+
+    monkeypatch.setattr(huggingface_hub.utils, "get_session", lambda: Unreachable())
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError) as err:
+        load_model("kvcert-test/no-such-model")
+    assert time.perf_counter() - start < 3.0 and len(requests) == 1
+    msg = str(err.value)
+    assert "\n" not in msg and "is unreachable (" in msg and "`hf download kvcert-test/no-such-model`" in msg
+
+
+def test_no_retired_cli_is_named_anywhere_in_src() -> None:
+    src = Path(__file__).resolve().parents[1] / "src" / "kvcert"
+    assert [str(p) for p in src.rglob("*.py") if "huggingface-cli" in p.read_text()] == []
+
+
+def test_one_load_model_and_short_names() -> None:
+    """kvcert.load_model, kvcert.serve.load_model and kvcert.hf.load_model are one function (one behaviour)."""
+    import kvcert
+    import kvcert.hf
+    import kvcert.serve
+
+    assert kvcert.load_model is kvcert.serve.load_model is kvcert.hf.load_model is loading.load_model
+    assert kvcert.serve.ALIASES is loading.ALIASES
+    assert loading.resolve_name("smollm2") == "smollm2-135m-instruct"
+    assert loading.resolve_name("gemma3") == loading.resolve_name("gemma3_270m") == "gemma3-270m"
+    assert set(loading.ALIASES.values()) <= set(loading.EMBEDDED_MODELS)
+    assert loading.resolve_name("org/model") == "org/model" and loading.resolve_name("./x") == "./x"
 
 
 def test_local_folder_loads(tmp_path: Path) -> None:
@@ -187,6 +239,15 @@ def test_conversion_cache_is_atomic_and_reused(fake_embedded: dict) -> None:
     assert fake_embedded["conversions"] == 3
 
 
+def test_short_name_loads_the_packaged_model_tagged(fake_embedded: dict) -> None:
+    """kvcert.hf.load_model("smollm2") is the packaged model (not a hub id), tagged with its name for generate."""
+    import kvcert.hf
+
+    model, _ = kvcert.hf.load_model("smollm2", cache_dir=str(fake_embedded["cache"]))
+    assert fake_embedded["conversions"] == 1 and model.kvcert_name == "smollm2-135m-instruct"
+    assert (fake_embedded["cache"] / "smollm2-135m-instruct" / loading.MARKER).is_file()
+
+
 def test_killed_conversion_leaves_no_valid_folder(fake_embedded: dict) -> None:
     cache = fake_embedded["cache"]
     name = "smollm2-135m-instruct"
@@ -210,8 +271,9 @@ def test_embedded_model_converts_and_reloads(tmp_path: Path, torch_threads) -> N
     assert tok.pad_token is not None and tok.chat_template
 
     start = time.perf_counter()
-    again, tok2 = load_model("smollm2-135m-instruct", cache_dir=str(tmp_path))
+    again, tok2 = load_model("smollm2", cache_dir=str(tmp_path))  # the short name: the same packaged model
     assert time.perf_counter() - start < 15.0
+    assert model.kvcert_name == again.kvcert_name == "smollm2-135m-instruct"
     ids = tok("The special magic number is", return_tensors="pt").input_ids
     assert tok2("The special magic number is", return_tensors="pt").input_ids.tolist() == ids.tolist()
     with torch.no_grad():

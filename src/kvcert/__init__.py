@@ -1,7 +1,7 @@
 """kvcert: error certificates for KV-cache eviction via randomized design.
 
 from kvcert import generate, load_model
-model, tokenizer = load_model("smollm2-135m-instruct")
+model, tokenizer = load_model("smollm2")  # the packaged SmolLM2-135M-Instruct
 print(generate(model, tokenizer, context=text, question="...", budget=0.25).summary())
 """
 
@@ -21,13 +21,14 @@ _PUBLIC = {
     "Generation": "kvcert.serve",
     "Policy": "kvcert.policy",
     "generate": "kvcert.serve",
-    "load_model": "kvcert.serve",
+    "load_model": "kvcert.hf.loading",  # the same object as kvcert.hf.load_model
 }
 __all__ = ["Calibration", "CalibrationError", "Escalation", "Generation", "Policy", "generate", "load_model"]
 
 if TYPE_CHECKING:
+    from kvcert.hf.loading import load_model
     from kvcert.policy import Policy
-    from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, generate, load_model
+    from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, generate
 
 
 def __getattr__(name: str):
@@ -39,4 +40,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_PUBLIC])
+    return sorted({*globals(), *_PUBLIC})

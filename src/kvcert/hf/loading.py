@@ -82,6 +82,8 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
 }
+# short names of the packaged models (the Hydra config group's names under conf/model/)
+ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "gemma3_270m": "gemma3-270m"}
 MARKER = "kvcert-complete.json"
 _MARKER_FORMAT = 1
 _STALE_TMP_SECONDS = 3600  # temp folders older than this belong to a killed conversion
@@ -286,14 +288,53 @@ def _finish(
     return model, tokenizer
 
 
-def _hub_fix(name: str) -> str:
-    return (
-        f"download it first (huggingface-cli download {name}) or pass a local folder; offline mode is HF_HUB_OFFLINE=1"
+_PROBE_TIMEOUT_S = 5.0  # one request to the hub before a hub id is read; no retries
+
+
+def _hub_unreachable() -> str | None:
+    """None when the hub answers one request; else why a hub id is read from the local cache alone (offline mode, or
+    no answer): huggingface_hub would otherwise retry each file five times (about 25 s) before looking there."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return "offline mode is on (HF_HUB_OFFLINE=1)"  # the flag huggingface_hub read at import, or set since
+    try:
+        get_session().head(constants.ENDPOINT, timeout=_PROBE_TIMEOUT_S)
+    except Exception as err:  # DNS, refused, timeout, proxy: any failure of the one request means unreachable
+        return f"{constants.ENDPOINT} is unreachable ({_first_line(err, 120)})"
+    return None
+
+
+def _first_line(err: Exception, width: int = 160) -> str:
+    return str(err).strip().splitlines()[0][:width] if str(err).strip() else type(err).__name__
+
+
+def _load_error(label: str, err: Exception, hub: bool, unreachable: str | None) -> ModelLoadError:
+    """The one line for a model that could not be read; for a hub id it names a command that exists (`hf`)."""
+    if not hub:
+        return ModelLoadError(
+            f"model '{label}' could not be loaded ({_first_line(err)}): the folder needs config.json, the tokenizer's"
+            " files and the weights (save_pretrained writes them)"
+        )
+    if unreachable is not None and isinstance(err, OSError):  # local_files_only: not (all) in the cache
+        return ModelLoadError(
+            f"model '{label}' is not in the local Hugging Face cache and {unreachable}: run `hf download {label}`"
+            " where the hub is reachable, then retry, or pass a local folder"
+        )
+    return ModelLoadError(
+        f"model '{label}' could not be loaded ({_first_line(err)}): check the id, download it with `hf download"
+        f" {label}` (a gated model needs `hf auth login` first), or pass a local folder"
     )
 
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def resolve_name(name_or_path: str) -> str:
+    """The packaged model's name for a short name (ALIASES); any other name or path unchanged."""
+    return ALIASES.get(name_or_path, name_or_path)
 
 
 def load_model(
@@ -305,42 +346,51 @@ def load_model(
     attn_implementation: str = "sdpa",
     allow_sliding_window: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer in eval mode.
+    """Load a causal LM and its tokenizer in eval mode (``kvcert.load_model`` and ``kvcert.serve.load_model`` are
+    this function).
 
-    ``name_or_path`` is an embedded model name (see EMBEDDED_MODELS), a local folder, or a Hugging Face hub id.
-    ``cache_dir`` is where embedded models are converted (default ``default_cache_dir()``); hub models use the
-    Hugging Face cache as usual. ``allow_sliding_window=True`` accepts full/sliding-window hybrids (e.g.
+    ``name_or_path`` is a packaged model's name (see EMBEDDED_MODELS) or short name (ALIASES: smollm2, gemma3), a
+    local folder, or a Hugging Face hub id. The model is tagged ``model.kvcert_name`` (the resolved name), which
+    ``kvcert.generate`` uses to find a packaged model's shipped calibration and prompt format. ``cache_dir`` is where
+    packaged models are converted (default ``default_cache_dir()``); hub models use the Hugging Face cache, and are
+    read from it alone when offline (HF_HUB_OFFLINE=1) or when the hub does not answer one request, so that a model
+    that is not there fails at once. ``allow_sliding_window=True`` accepts full/sliding-window hybrids (e.g.
     ``gemma3-270m``) for plain transformers generation; kvcert's eviction path must not be given such a model
     unless its architecture is in ``SUPPORTED_HYBRID``. Every failure is a one-line ModelLoadError.
     """
-    if name_or_path in EMBEDDED_MODELS:
-        folder = _ensure_converted(name_or_path, Path(cache_dir) if cache_dir else default_cache_dir())
-        label, source = name_or_path, str(folder)
+    name = resolve_name(name_or_path)
+    label, source, hub, unreachable = name, name, False, None
+    if name in EMBEDDED_MODELS:
+        source = str(_ensure_converted(name, Path(cache_dir) if cache_dir else default_cache_dir()))
     else:
-        label, source = name_or_path, name_or_path
-        path = Path(name_or_path).expanduser()
+        path = Path(name).expanduser()
         if path.exists():
             if not path.is_dir():
                 raise ModelLoadError(f"model '{label}' is a file, not a folder: pass the folder with config.json")
             source = str(path)
-        elif _looks_like_path(name_or_path):
+        elif _looks_like_path(name):
             raise ModelLoadError(f"model folder '{label}' does not exist: pass an existing folder or a hub id")
+        else:
+            hub = True
+            unreachable = _hub_unreachable()
+    local = {"local_files_only": True} if unreachable is not None else {}
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(source, **local)
     except (OSError, ValueError, KeyError) as err:
-        cause = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"model '{label}' could not be loaded ({cause}): {_hub_fix(label)}") from None
+        raise _load_error(label, err, hub, unreachable) from None
     _check_config(label, config, allow_sliding_window=allow_sliding_window)
     meta = _meta_copy(config)
     if meta is not None:  # refuse a layout kvcert cannot hook into before any weight is downloaded or read
         _check_layout(label, meta)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(source, **local)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, **local
+        )
     except (OSError, ValueError, KeyError) as err:
-        cause = str(err).strip().splitlines()[0][:160] if str(err).strip() else type(err).__name__
-        raise ModelLoadError(f"model '{label}' could not be loaded ({cause}): {_hub_fix(label)}") from None
+        raise _load_error(label, err, hub, unreachable) from None
     _drop_inert_window(model.config)
     _check_modules(label, model, allow_sliding_window=allow_sliding_window)
     model, tokenizer = _finish(model, tokenizer, device)
+    model.kvcert_name = name
     return model, tokenizer
