@@ -403,7 +403,7 @@ def test_the_shipped_thresholds_per_budget_are_study_4s():
     from pathlib import Path
 
     from kvcert.serve.calibration import shipped
-    from kvcert.studies.study4_claims import in_calibration_split
+    from kvcert.studies.study4.claims import in_calibration_split
 
     for tag, name in (("smollm2", "smollm2-135m-instruct"), ("gemma3", "gemma3-270m")):
         lines = Path(f"results/study4/{tag}/answers.jsonl").read_text().splitlines()

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvcert.studies.study4_analysis import (
+from kvcert.studies.study4.analysis import (
     evaluate,
     in_calibration_split,
     policy_outcomes,
@@ -96,7 +96,7 @@ def test_evaluate_matches_a_hand_computation_and_ranks_the_informative_signal_fi
 
 def test_collection_resumes_without_duplicates_and_its_full_answer_is_the_full_cache(tmp_path, tiny_smol):
     from kvcert.bench.common import no_eos
-    from kvcert.studies.study4_collect import collect, load_answers
+    from kvcert.studies.study4.collect import collect, load_answers
     from kvcert.tasks import make_examples
 
     model, tok = tiny_smol
@@ -113,7 +113,7 @@ def test_collection_resumes_without_duplicates_and_its_full_answer_is_the_full_c
 
 
 def test_the_report_renders_every_table():
-    from kvcert.studies.study4_analysis import report
+    from kvcert.studies.study4.analysis import report
 
     text = report(_synthetic(n=120), "synthetic", n_boot=50)
     assert text.startswith("# synthetic") and text.count("|---") >= 4 and "certificate" in text

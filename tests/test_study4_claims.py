@@ -10,9 +10,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from kvcert.studies.study4 import choose_level
-from kvcert.studies.study4_analysis import kv_matched_threshold
-from kvcert.studies.study4_claims import tolerance_choice, verdict
+from kvcert.studies.study4.analysis import kv_matched_threshold
+from kvcert.studies.study4.claims import tolerance_choice, verdict
+from kvcert.studies.study4.cli import choose_level
 
 
 def test_the_level_rule_takes_the_eligible_level_closest_to_055_with_declared_ties():
@@ -92,7 +92,7 @@ def test_the_collector_equals_generate_on_every_budget(tiny_smol):
     from kvcert.bench.common import no_eos
     from kvcert.policy import FULL
     from kvcert.serve.generate import generate
-    from kvcert.studies.study4_collect import MAX_NEW_TOKENS, example_rows
+    from kvcert.studies.study4.collect import MAX_NEW_TOKENS, example_rows
     from kvcert.tasks import make_examples
 
     model, tok = tiny_smol
@@ -122,7 +122,7 @@ def test_the_collector_equals_generate_on_every_budget(tiny_smol):
 
 
 def test_the_run_refuses_before_the_lock(tmp_path):
-    from kvcert.studies.study4 import run
+    from kvcert.studies.study4.cli import run
 
     with pytest.raises(SystemExit, match="LOCK.json is missing: lock the study first"):
         run("smollm2", root=tmp_path)
@@ -137,7 +137,7 @@ def test_claims_reach_the_scorecard_only_from_complete_records(tmp_path):
 
     import yaml
 
-    from kvcert.studies.study4 import analyze, complete, scorecard_cards
+    from kvcert.studies.study4.cli import analyze, complete, scorecard_cards
 
     prereg = tmp_path / "preregistration/study4"
     prereg.mkdir(parents=True)
@@ -196,7 +196,7 @@ def smollm2():
 def test_the_token_level_answer_continues_with_the_full_cache(smollm2):
     """On the packaged model: an empty kept prefix gives the full cache's answer of the batched read, and kept tokens
     that are the full cache's own first tokens continue into the same answer (greedy decoding is consistent)."""
-    from kvcert.studies.study4_collect import example_rows, token_level_answer
+    from kvcert.studies.study4.collect import example_rows, token_level_answer
     from kvcert.tasks import make_examples
 
     model, tok = smollm2
@@ -245,7 +245,7 @@ def test_the_full_regeneration_check_compares_every_row_and_every_verdict(tmp_pa
     more than its tolerance on one row fails; a regeneration missing examples is refused in one line."""
     import json
 
-    from kvcert.studies.study4_regeneration import full_regeneration_check
+    from kvcert.studies.study4.regeneration import full_regeneration_check
 
     rows = _write_study(tmp_path)
     regen = tmp_path / "results/study4/smollm2/regenerated"
@@ -286,3 +286,21 @@ def _claim_ids() -> set[str]:
     import yaml
 
     return set(yaml.safe_load(open("preregistration/study4/predictions_smollm2.yaml"))["claims"])
+
+
+def test_the_package_keeps_its_command_line():
+    """`python -m kvcert.studies.study4` (the package's __main__) still offers every subcommand, and the package
+    re-exports what the combined scorecard reads."""
+    import subprocess
+    import sys
+
+    import kvcert.studies.study4 as study4
+    from kvcert.studies.study4 import cli, common
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvcert.studies.study4", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    for cmd in ("select", "run", "analyze", "token-reference", "regenerate-check", "thresholds", "derive"):
+        assert cmd in out.stdout
+    assert study4.scorecard_cards is cli.scorecard_cards and study4.MODELS is common.MODELS

@@ -109,7 +109,8 @@ STUDIES["study3"] = Study(
     STUDIES["study2"].packages,
 )
 # Study 4 (preregistration/study4/PLAN.md): study 2's hash list plus the serving code and the shipped calibrations
-# its signals come from, its level selection and the environment's lock file.
+# its signals come from, its level selection and the environment's lock file; its own code moved from
+# src/kvcert/studies/study4*.py into the package src/kvcert/studies/study4/ (DEVIATIONS.md, stop 39), covered there.
 STUDIES["study4"] = Study(
     "preregistration/study4",
     (
@@ -119,7 +120,12 @@ STUDIES["study4"] = Study(
         "preregistration/study4/design.yaml",
         ENVIRONMENT_LOCK,
     ),
-    (*STUDIES["study2"].globs, "src/kvcert/serve/*.py", "src/kvcert/serve/calibrations/*.json"),
+    (
+        *STUDIES["study2"].globs,
+        "src/kvcert/studies/study4/*.py",
+        "src/kvcert/serve/*.py",
+        "src/kvcert/serve/calibrations/*.json",
+    ),
     STUDIES["study2"].packages,
 )
 

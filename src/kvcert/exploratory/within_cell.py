@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis.tables import markdown_table
-from kvcert.studies.study4_analysis import pooled_auroc, within_cell_auroc
+from kvcert.studies.study4.analysis import pooled_auroc, within_cell_auroc
 
 ROOT = Path(__file__).resolve().parents[3]
 STUDIES = {

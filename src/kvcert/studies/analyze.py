@@ -103,7 +103,7 @@ def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     """The combined scorecard (kvcert.studies.scorecard) -> results/scorecard.{json,md,html} (the profile's
     study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
     from kvcert.studies.scorecard import combined_scorecard, write_combined
-    from kvcert.studies.study4 import scorecard_cards
+    from kvcert.studies.study4.cli import scorecard_cards
 
     cards = {**cards, **scorecard_cards(ROOT)}  # study 4's columns, once its records are complete
 

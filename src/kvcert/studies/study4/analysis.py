@@ -1,5 +1,5 @@
 """Study 4's evaluation (draft, preregistration/study4/PLAN.md): answer-level escalation signals at matched rates,
-pure pandas over `kvcert.studies.study4_collect`'s rows.
+pure pandas over `kvcert.studies.study4.collect`'s rows.
 
 A policy "escalate by signal s at rate r" at budget b gives each example the full cache's answer when its score under
 s is above the threshold, else the compressed answer. The threshold is the (1 - r)-quantile of the scores on the
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     from pathlib import Path
 
-    from kvcert.studies.study4_collect import load_answers
+    from kvcert.studies.study4.collect import load_answers
 
     p = argparse.ArgumentParser(description="study 4's evaluation of an answers.jsonl (draft; exploratory)")
     p.add_argument("answers", nargs="+", help="answers.jsonl files (one per model)")

@@ -1,5 +1,5 @@
 """Study 4's claims and verdicts (preregistration/study4/PLAN.md section 5), pure pandas over the answers of
-`kvcert.studies.study4_collect`, by the decision rules in `preregistration/study4/predictions_<model>.yaml`.
+`kvcert.studies.study4.collect`, by the decision rules in `preregistration/study4/predictions_<model>.yaml`.
 
 Every claim is decided on the confirmatory split (examples whose id hash puts them outside the calibration split);
 thresholds, the combined model, KV-matched rates and tolerance choices come from the calibration split only.
@@ -21,7 +21,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis.bootstrap import bootstrap_many, paired_difference, weighted_mean
-from kvcert.studies.study4_analysis import (
+from kvcert.studies.study4.analysis import (
     BOOT_SEED,
     N_BOOT,
     add_scores,
@@ -240,7 +240,7 @@ def evaluate_claims(answers: pd.DataFrame, predictions: Mapping) -> dict[str, di
 def token_reference_difference(answers: pd.DataFrame, reference: pd.DataFrame, budget: float, rate: float) -> dict:
     """The token-level reference beside P1: accuracy of answer-level certificate escalation minus today's token-level
     rule at the same threshold (they escalate the same examples; the token-level answer keeps the compressed prefix).
-    reference: `kvcert.studies.study4.token_reference`'s rows (example_id, correct)."""
+    reference: `kvcert.studies.study4.cli.token_reference`'s rows (example_id, correct)."""
     cal, conf = scored(answers, budget)
     answer_level, _ = policy_outcomes(conf, cal, "certificate", rate)
     ref = dict(zip(reference["example_id"], reference["correct"].astype(bool)))

@@ -23,20 +23,24 @@ from pathlib import Path
 
 import yaml
 
-PREREG = Path("preregistration/study4")
-RESULTS = Path("results/study4")
-MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
-STUDY3_TASKS = ("multikey_needle", "multivalue_needle", "fact_qa")
-NEW_TEMPLATES = {"needle_reworded": (7, 12), "word_needle": (0, 1, 2), "multikey_words": (0, 1, 3)}
-LENGTHS = (1024, 2048)
-SEED = 8000
-N_PER_MODEL = 720
-REGENERATED = "regenerated"  # results/study4/<model>/regenerated/: make reproduce's full regeneration
-BUDGETS = (0.5, 0.25, 0.125)
+from kvcert.studies.study4.common import (
+    BUDGETS,
+    LENGTHS,
+    MODELS,
+    N_PER_MODEL,
+    NEW_TEMPLATES,
+    PREREG,
+    REGENERATED,
+    RESULTS,
+    SEED,
+    STUDY3_TASKS,
+    complete,
+    examples_for,
+)
 
 
 def _pilot_accuracy(folder: Path) -> tuple[float, int]:
-    from kvcert.studies.study4_collect import load_answers
+    from kvcert.studies.study4.collect import load_answers
 
     path = folder / "answers.jsonl"
     if not path.is_file():
@@ -83,24 +87,13 @@ def select(pilot_root: Path = RESULTS / "pilot" / "levels", study3: Path = Path(
     return design
 
 
-def examples_for(design: dict, tag: str, tokenizer) -> list:
-    from kvcert.tasks import make_examples
-
-    spec = design["models"][tag]
-    out = []
-    for task, level in spec["tasks"].items():
-        for length in design["lengths"]:
-            out += make_examples(task, spec["n_per_cell"], length, tokenizer, seed=design["seed"], level=level)
-    return out
-
-
 def run(tag: str, threads: int = 1, root: Path = Path("."), regenerate: bool = False) -> Path:
     """The confirmatory records of one model, resumable; regenerate=True writes a full regeneration to
     results/study4/<model>/regenerated/ instead (make reproduce), leaving the published records alone."""
     import torch
 
     from kvcert.hf import load_model
-    from kvcert.studies.study4_collect import collect
+    from kvcert.studies.study4.collect import collect
 
     if tag not in MODELS:
         raise SystemExit(f"study4: unknown model {tag!r}; choose one of {', '.join(MODELS)}")
@@ -115,22 +108,6 @@ def run(tag: str, threads: int = 1, root: Path = Path("."), regenerate: bool = F
     print(f"study4 {tag}: {len(examples)} examples, budgets {design['budgets']}")
     out = root / RESULTS / tag / (REGENERATED if regenerate else "")
     return collect(model, tokenizer, examples, design["budgets"], out, model_name=MODELS[tag])
-
-
-def planned_examples(design: dict, tag: str) -> int:
-    spec = design["models"][tag]
-    return len(spec["tasks"]) * len(design["lengths"]) * int(spec["n_per_cell"])
-
-
-def complete(tag: str, root: Path = Path(".")) -> bool:
-    """Whether a model's records hold every planned example (claims are decided only then)."""
-    from kvcert.studies.study4_collect import load_answers
-
-    path, design_path = root / RESULTS / tag / "answers.jsonl", root / PREREG / "design.yaml"
-    if not path.is_file() or not design_path.is_file():
-        return False
-    design = yaml.safe_load(design_path.read_text())
-    return load_answers(path)["example_id"].nunique() >= planned_examples(design, tag)
 
 
 def scorecard_cards(root: Path = Path(".")) -> dict[str, dict]:
@@ -171,9 +148,9 @@ def analyze(root: Path = Path("."), partial: bool = False) -> dict:
     """Every model with complete records (or any records, with partial=True: an interim look, labelled so in the
     report and never written as claims.json): its claims (claims.json) and report (report.md); {tag: claims}."""
     from kvcert.analysis.scorecard import jsonable
-    from kvcert.studies.study4_analysis import report
-    from kvcert.studies.study4_claims import evaluate_claims
-    from kvcert.studies.study4_collect import load_answers
+    from kvcert.studies.study4.analysis import report
+    from kvcert.studies.study4.claims import evaluate_claims
+    from kvcert.studies.study4.collect import load_answers
 
     out = {}
     for tag in MODELS:
@@ -195,7 +172,7 @@ def analyze(root: Path = Path("."), partial: bool = False) -> dict:
         ref_path = root / RESULTS / tag / "token_reference.jsonl"
         reference = None
         if ref_path.is_file():  # today's token-level rule beside P1 (not a claim)
-            from kvcert.studies.study4_claims import token_reference_difference
+            from kvcert.studies.study4.claims import token_reference_difference
 
             reference = token_reference_difference(answers, load_answers(ref_path), REFERENCE_BUDGET, REFERENCE_RATE)
         result = dict(model=MODELS[tag], n_examples=n_examples, claims=claims, token_level_reference=reference)
@@ -218,8 +195,8 @@ def token_reference(tag: str, root: Path = Path("."), threads: int = 1) -> Path:
     import torch
 
     from kvcert.hf import load_model
-    from kvcert.studies.study4_claims import scored
-    from kvcert.studies.study4_collect import _append, _done, load_answers, token_level_answer
+    from kvcert.studies.study4.claims import scored
+    from kvcert.studies.study4.collect import _append, _done, load_answers, token_level_answer
 
     records = load_answers(root / RESULTS / tag / "answers.jsonl")
     cal, conf = scored(records, REFERENCE_BUDGET)
@@ -245,10 +222,10 @@ THRESHOLD_RATES = (0.05, 0.1, 0.2, 0.3)
 
 def budget_thresholds(tag: str, root: Path = Path(".")) -> dict[str, dict[str, float]]:
     """Per budget and rate, the certificate threshold study 4's analysis uses (P1's rule: the 1 - rate quantile of
-    the answer's largest certificate on the calibration split, `study4_analysis.policy_outcomes`)."""
-    from kvcert.studies.study4_analysis import policy_outcomes
-    from kvcert.studies.study4_claims import scored
-    from kvcert.studies.study4_collect import load_answers
+    the answer's largest certificate on the calibration split, `analysis.policy_outcomes`)."""
+    from kvcert.studies.study4.analysis import policy_outcomes
+    from kvcert.studies.study4.claims import scored
+    from kvcert.studies.study4.collect import load_answers
 
     records = load_answers(root / RESULTS / tag / "answers.jsonl")
     out = {}
@@ -308,13 +285,13 @@ def main(argv: list[str] | None = None) -> int:
         for path in ship_thresholds():
             print(f"wrote {path}")
     elif args.cmd == "derive":
-        from kvcert.studies.study4_regeneration import TOLERANCES, derive_tolerances
+        from kvcert.studies.study4.regeneration import TOLERANCES, derive_tolerances
 
         derived = derive_tolerances(args.n)
         (PREREG / TOLERANCES).write_text(json.dumps(derived, indent=2) + "\n")
         print(json.dumps(derived["models"], indent=1))
     elif args.cmd == "regenerate-check":
-        from kvcert.studies.study4_regeneration import full_regeneration_check, regeneration_check
+        from kvcert.studies.study4.regeneration import full_regeneration_check, regeneration_check
 
         ok = True
         for tag in MODELS:
@@ -333,7 +310,3 @@ def main(argv: list[str] | None = None) -> int:
             for cid, c in claims.items():
                 print(f"{tag} {cid}: {c['verdict']} {c['estimate']:.3g} [{c['lo']:.3g}, {c['hi']:.3g}]")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

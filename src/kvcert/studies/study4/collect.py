@@ -3,7 +3,7 @@ the compressed answer with every answer-level signal, from `kvcert.generate` in 
 
 Greedy decoding is deterministic and an answer-level escalation to the full cache yields exactly the full cache's
 greedy answer (tests/test_serve.py), so these two decodes per budget give every escalation policy's answer at every
-rate offline (kvcert.studies.study4_analysis). One row per (example, budget):
+rate offline (kvcert.studies.study4.analysis). One row per (example, budget):
 
     example_id, task, context_tokens, budget, correct, full_correct, certificate (the answer's largest token
     certificate, the shipped calibration's multipliers and reduction), logprob (its lowest token log-probability),
@@ -12,7 +12,7 @@ rate offline (kvcert.studies.study4_analysis). One row per (example, budget):
 Rows are appended to `answers.jsonl` as each example finishes (flushed and fsync'ed); a rerun skips the examples
 already there, so a killed run resumes where it stopped.
 
-    python -m kvcert.studies.study4_collect --model smollm2-135m-instruct --tasks needle_reworded,word_needle \
+    python -m kvcert.studies.study4.collect --model smollm2-135m-instruct --tasks needle_reworded,word_needle \
         --lengths 1024 --n 4 --seed 8500 --budgets 0.25,0.5 --out results/study4/pilot/smollm2
 """
 

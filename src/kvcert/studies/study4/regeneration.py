@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from kvcert.studies.study4 import MODELS, PREREG, RESULTS, complete, examples_for, planned_examples
+from kvcert.studies.study4.common import MODELS, PREREG, RESULTS, complete, examples_for, planned_examples
 
 LOCKED_TOLERANCE = {"certificate": ("rel", 1e-3), "logprob": ("abs", 1e-3), "probe_error": ("rel", 1e-3)}
 IDENTICAL_SHARE = 0.95  # answers (compressed and full) identical in at least this share of regenerated rows
@@ -101,7 +101,7 @@ def _regenerate(tag: str, n: int, root: Path, threads: int, torch_ops: bool = Fa
     import torch
 
     from kvcert.hf import kernel, load_model
-    from kvcert.studies.study4_collect import example_rows, load_answers
+    from kvcert.studies.study4.collect import example_rows, load_answers
 
     records = load_answers(root / RESULTS / tag / "answers.jsonl")
     design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
@@ -127,9 +127,9 @@ def regeneration_check(tag: str, n: int, root: Path = Path("."), threads: int = 
 def full_regeneration_check(tag: str, root: Path = Path(".")) -> tuple[bool, str]:
     """make reproduce's comparison: the full regeneration (`run --regenerate`) against the published records, by
     `compare_regenerated`, and every claim decided again on the regenerated records with its verdict compared."""
-    from kvcert.studies.study4 import REGENERATED
-    from kvcert.studies.study4_claims import evaluate_claims
-    from kvcert.studies.study4_collect import load_answers
+    from kvcert.studies.study4.claims import evaluate_claims
+    from kvcert.studies.study4.collect import load_answers
+    from kvcert.studies.study4.common import REGENERATED
 
     path = root / RESULTS / tag / REGENERATED / "answers.jsonl"
     if not complete(tag, root) or not path.is_file():
