@@ -18,6 +18,10 @@ Two choices beside the design (the defaults keep every earlier output and label 
   compressed back to the prompt compression's size every N decode steps (kvpress's DecodingPress;
   kvcert.core.recompress, docs/decoding_compression.md). A policy field, not a decoding option, because it changes
   what is kept and what pi means (the product over a token's draws).
+- `half`: None, or 0 / 1: one half of the randomized design's draw (split halves, kvcert.hf.draws): the head, plus
+  the tail tokens whose uniform u fell below pi/2 (half 0) or in [pi/2, pi) (half 1). Each half is a Poisson sample
+  at pi/2 (weights 2/pi), the two are disjoint and their union is the draw of the same seed, so two halves hold no
+  more KV than one draw.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Policy:
     protect_question: bool | None = None  # None: the scorer's default
     allocation: str = "uniform"  # uniform | adakv: how a layer's budget is shared across its KV heads
     recompress_every: int | None = None  # N: re-compress the cache to the budget every N decode steps
+    half: int | None = None  # 0 | 1: one half of the draw's tail at pi/2 (split halves); None: the whole draw
 
     def __post_init__(self):
         if self.scorer not in SCORER_NAMES:
@@ -94,6 +99,12 @@ class Policy:
             )
         if self.is_full and (self.allocation != "uniform" or self.recompress_every is not None):
             raise ValueError("the full-cache reference keeps everything: allocation and recompress_every do not apply")
+        if self.half is not None and (self.half not in (0, 1) or isinstance(self.half, bool)):
+            raise ValueError(f"half must be None, 0 or 1, got {self.half!r}")
+        if self.half is not None and (self.design != "randomized" or self.recompress_every is not None):
+            raise ValueError(
+                "half splits the randomized design's tail: it needs design=randomized, no recompress_every"
+            )
         if self.recompress_every is not None and self.scorer == "streaming":
             raise ValueError("recompress_every needs a scorer that reads keys or queries; streaming reads positions")
 
@@ -131,6 +142,8 @@ class Policy:
             when += f"/{self.allocation}"
         if self.recompress_every is not None:
             when += f"/re{self.recompress_every}"
+        if self.half is not None:
+            when += f"/half{self.half}"
         return f"{self.scorer}/{self.design}/b{self.budget:g}{rand}{when}"
 
     def generator_seed(self, example_id: str) -> int:

@@ -150,6 +150,7 @@ def select_layers(
     scores = scores.float().clamp_min(0)
     # the per-head counts (uniform: plan.n_keep for every head; adakv: shared by score mass within each layer)
     n_keep = allocate(policy.allocation, scores, plan.n_keep)
+    split = {} if policy.half is None else {"half": policy.half}  # only the randomized design splits its tail
     sel = get_design(policy.design)(
         scores,
         n_keep,
@@ -158,6 +159,7 @@ def select_layers(
         score_power=policy.score_power,
         generator=None,
         draws=draws.tail,
+        **split,
     )
     always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
     indices = torch.cat([sel.indices, always], dim=-1)

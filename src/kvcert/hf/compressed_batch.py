@@ -131,15 +131,27 @@ class CompressedBatch:
         *,
         on_step: Callable[[int], None] | None = None,
         watch: Callable[[int, list[int], list[float], dict[str, torch.Tensor]], bool] | None = None,
+        follow: dict[int, int] | None = None,
     ) -> list[VariantResult]:
-        """Greedy-decode every variant; results in the order of the policies (`watch`: see `decode_batch`)."""
+        """Greedy-decode every variant; results in the order of the policies (`watch`: see `decode_batch`; follow:
+        policy index -> the policy index whose tokens it is fed, teacher forcing)."""
         compressed_layers = tuple(b.compressed for b in self.state.layers)
+        at = {i: b for b, i in enumerate(self.rows)}  # policy index -> batch row
+        by_row = {at[i]: at[lead] for i, lead in (follow or {}).items()}
         with kvcert_attention_on(self.model):
             rows = decode_batch(
-                self.model, tokenizer, self.state, self.first_logits, self.start, options, on_step=on_step, watch=watch
+                self.model,
+                tokenizer,
+                self.state,
+                self.first_logits,
+                self.start,
+                options,
+                on_step=on_step,
+                watch=watch,
+                follow=by_row,
             )
         out: dict[int, VariantResult] = {}
-        for i, comp, (tokens, logprobs, stats, n_ans, answer) in zip(self.rows, self.comps, rows):
+        for i, comp, (tokens, logprobs, stats, n_ans, answer, own) in zip(self.rows, self.comps, rows):
             out[i] = VariantResult(
                 policy=self.policies[i],
                 tokens=tokens,
@@ -149,6 +161,8 @@ class CompressedBatch:
                 kept_tokens=comp.kept_tokens,
                 stats=stats,
                 compressed_layers=compressed_layers,
+                own_tokens=own,
+                follows=(follow or {}).get(i),
             )
         return [out[i] for i in range(len(self.policies))]
 

@@ -6,6 +6,11 @@ computed, how long answers run) except `backend`, which chooses how the single-t
 the CPU, torch ops otherwise, and says which once; "torch" / "compiled" force one. Both fill the same buffers and
 the statistics after the forward are one code path, so they agree to float rounding (tests/test_hf_decode.py).
 
+A row may *follow* another (teacher forcing, kvcert.hf.draws): it is fed the leader's tokens instead of its own
+greedy ones, records the log-probability its cache gives each of them, and its own greedy token at each step
+(`VariantResult.own_tokens`): how a second draw of a policy reads the first draw's answer. Rows that follow no row
+decode with exactly the same operations as without followers.
+
 Finished variants leave the batch (in batches: compaction copies every buffer), so no attention, certificate or
 oracle work is spent on them. The decoder waits for the device once per step (one copy of the new tokens and their
 log-probabilities, for the end-of-answer checks); the statistics stay on the device until one copy at the end.
@@ -70,6 +75,8 @@ class VariantResult:
     kept_tokens: float
     stats: dict[str, np.ndarray]  # name -> (n_answer, layers, query heads), float32; missing when not computed
     compressed_layers: tuple[bool, ...] = ()  # per layer: compressed (False: a sliding window kept exactly)
+    own_tokens: list[int] | None = None  # a follower's own greedy token at each step (None: the row follows no row)
+    follows: int | None = None  # the policy index whose tokens this row was fed (None: its own greedy tokens)
 
 
 class StopDetector:
@@ -126,6 +133,24 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list[int], li
     return [int(t) for t in both[0]], both[1]
 
 
+def teacher_force(
+    logits: torch.Tensor, tok: torch.Tensor, picked: torch.Tensor, rows: list[int], follow: dict[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens fed, their log-probabilities, each row's own greedy token): follower rows (original row -> leader's
+    original row, both in `rows`, the batch order) take their leader's token and its float32 log-probability under
+    their own logits; every other row keeps its greedy token and log-probability untouched."""
+    at = {row: i for i, row in enumerate(rows)}
+    fol = [at[r] for r in rows if r in follow]
+    if not fol:
+        return tok, picked, tok
+    dev = tok.device
+    fol_ix, lead_ix = device_index(fol, dev), device_index([at[follow[r]] for r in rows if r in follow], dev)
+    fed = tok.index_copy(0, fol_ix, tok.index_select(0, lead_ix))
+    logp = logits.index_select(0, fol_ix).float().log_softmax(-1)
+    picked = picked.index_copy(0, fol_ix, logp.gather(-1, fed.index_select(0, fol_ix)[:, None])[:, 0])
+    return fed, picked, tok
+
+
 def stats_to_host(
     steps: list[tuple[list[int], dict[str, torch.Tensor]]],
 ) -> list[tuple[list[int], dict[str, np.ndarray]]]:
@@ -154,8 +179,11 @@ def decode_batch(
     *,
     on_step: Callable[[int], None] | None = None,
     watch: Callable[[int, list[int], list[float], dict[str, torch.Tensor]], bool] | None = None,
-) -> list[tuple[list[int], list[float], dict[str, np.ndarray], int, str]]:
-    """Greedy-decode every row of `state`; per row (tokens, log-probs, statistics, n_answer, answer).
+    follow: dict[int, int] | None = None,
+) -> list[tuple[list[int], list[float], dict[str, np.ndarray], int, str, list[int] | None]]:
+    """Greedy-decode every row of `state`; per row (tokens, log-probs, statistics, n_answer, answer, own greedy
+    tokens of a follower or None). follow: row -> the row whose tokens it is fed (teacher forcing; a leader must
+    follow no row).
 
     watch(step, new tokens and their log-probabilities for the rows in the batch, the step's statistics on the
     device (layers, rows, Hq)), when given, runs after each step that made a token (the statistics are those of the
@@ -165,11 +193,16 @@ def decode_batch(
     dev = first_logits.device
     eos = eos_ids(model, tokenizer)
     stopped = StopDetector(tokenizer, options.stop_strings)
+    follow = dict(follow or {})
+    if any(lead in follow or not 0 <= lead < bsz or lead == row for row, lead in follow.items()):
+        raise ValueError(f"follow={follow}: a row follows another row of the batch that follows no row")
+    active = list(range(bsz))  # original rows still in the batch, in batch order
     tok, picked = greedy(first_logits)
+    tok, picked, own_tok = teacher_force(first_logits, tok, picked, active, follow)
     first_tokens, first_lps = to_host(tok, picked)
+    own = {row: [t] for row, t in zip(active, to_host(own_tok, picked)[0]) if row in follow} if follow else {}
     tokens = [[t] for t in first_tokens]
     logprobs = [[x] for x in first_lps]
-    active = list(range(bsz))  # original rows still in the batch, in batch order
     done = [False] * bsz
     steps: list[tuple[list[int], dict[str, torch.Tensor]]] = []  # (rows in the batch, stats (L, B, Hq)) per step
     state.compute_certificate = options.certificate
@@ -196,11 +229,19 @@ def decode_batch(
         steps.append((active, state.stats or {}))
         if step + 1 < options.max_new_tokens:
             tok, picked = greedy(logits)
-            new_tokens, lps = to_host(tok, picked)  # the step's one sync with the device
+            if follow:
+                tok, picked, own_tok = teacher_force(logits, tok, picked, active, follow)
+                tok_own = torch.stack([tok, own_tok])
+                new_tokens, lps = to_host(tok_own.reshape(-1), picked.repeat(2))  # still one sync
+                own_now, new_tokens, lps = new_tokens[len(active) :], new_tokens[: len(active)], lps[: len(active)]
+            else:
+                new_tokens, lps = to_host(tok, picked)  # the step's one sync with the device
             for i, row in enumerate(active):
                 if not done[row]:  # a finished row's answer is over
                     tokens[row].append(new_tokens[i])
                     logprobs[row].append(lps[i])
+                    if row in own:
+                        own[row].append(own_now[i])
             if watch is not None and watch(step, new_tokens, lps, state.stats or {}):
                 break
     state.want_stats, state.stats = False, None
@@ -214,5 +255,5 @@ def decode_batch(
                 per_step = [s[name][:, rows.index(row)] for rows, s in host[:n_ans]]
                 shape = host[0][1][name].shape
                 stats[name] = np.stack(per_step, 0) if per_step else np.zeros((0, shape[0], shape[2]), np.float32)
-        out.append((tokens[row], logprobs[row], stats, n_ans, answer))
+        out.append((tokens[row], logprobs[row], stats, n_ans, answer, own.get(row)))
     return out

@@ -6,13 +6,17 @@ the error estimable (the certificate).
 n_keep is one count, or one per row (a head-wise allocation, kvcert.core.allocation): each row then keeps its own
 head and draws its tail at its own pi. candidates: a mask of the entries that may be kept (a re-compression during
 decoding passes the cache's filled slots, kvcert.core.recompress); None: every entry.
+
+half (split halves): 0 keeps the tail tokens with u < pi/2, 1 those with pi/2 <= u < pi, where u are the draw's own
+uniforms. Given u < pi, u / pi is Uniform(0, 1) and independent of the inclusion, so each half is a Poisson sample at
+pi/2, the halves are disjoint and their union is the whole draw; the offset is -log(pi/2).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcert.core.probabilities import inclusion_probabilities, poisson_sample
+from kvcert.core.probabilities import inclusion_probabilities, poisson_sample, uniform_draws
 from kvcert.core.selection import Counts, Selection, assemble, check_design_inputs, split_head_tail, top_head
 
 
@@ -28,6 +32,7 @@ def select(
     offset: bool = True,
     design: str = "randomized",
     candidates: torch.Tensor | None = None,
+    half: int | None = None,
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power, candidates)
     if generator is None and draws is None:
@@ -36,5 +41,11 @@ def select(
     head = top_head(scores, n_head, candidates)
     rest = ~head if candidates is None else candidates & ~head
     pi = inclusion_probabilities(scores, rest, n_tail, floor=floor, score_power=score_power)
+    if half is not None and draws is None:  # a half is read off the draw's own uniforms
+        draws = uniform_draws(tuple(pi.shape), generator)
     tail = poisson_sample(pi, generator, draws) & ~head
+    if half is not None:
+        lower = draws.to(pi.device) < pi / 2
+        tail = tail & (lower if half == 0 else ~lower)
+        pi = pi / 2
     return assemble(head, tail, pi, design=design, offset=offset, has_certificate=True)
