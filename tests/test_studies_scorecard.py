@@ -5,7 +5,15 @@ import json
 
 from kvcert.analysis.claims import ClaimResult
 from kvcert.analysis.scorecard import build_scorecard
-from kvcert.studies.scorecard import combined_html, combined_markdown, combined_scorecard, write_combined
+from kvcert.studies.scorecard import (
+    NOT_EVALUATED,
+    combined_html,
+    combined_markdown,
+    combined_scorecard,
+    replication,
+    replication_preregistered,
+    write_combined,
+)
 
 IDS = ["C1", "C2", "C3", "T1"]
 VERIFIED = {"status": "verified", "changed": [], "missing": [], "added": []}
@@ -84,9 +92,10 @@ def test_studies_object_side_by_side_and_replication():
     assert card["studies"]["study2"]["secondary"]["S1"]["hi"] is None
     rows = {r["id"]: r for r in card["side_by_side"]}
     assert [r["id"] for r in card["side_by_side"]] == IDS
-    assert rows["C1"]["replication"] == "replicated"
+    assert rows["C1"]["replication"] == "replicated" and rows["C1"]["replication_studies"] == 2
     assert rows["C2"]["replication"] == "flipped"
-    assert rows["C3"]["replication"] == "open"
+    assert rows["C3"]["replication"] == "open" and rows["C3"]["replication_studies"] == 1  # study 2 did not evaluate
+    assert [rows[c]["replication_preregistered"] for c in ("C1", "C2", "C3")] == ["replicated", "flipped", "open"]
     assert rows["C3"]["studies"]["study2"]["verdict"] == "not evaluated"
     assert rows["C1"]["studies"]["study2"]["observed"] == -2.0 and rows["C1"]["paper_verdict"] == "supported"
     assert card["footer"]["power"] == {"study2": [{"id": "C1", "n": 100, "target_n": 360, "reaches_target": False}]}
@@ -150,3 +159,41 @@ def test_strict_json_markdown_and_html(tmp_path):
     page = paths["html"].read_text()
     assert page == combined_html(card, ["../figures/f.png"]) and 'src="../figures/f.png"' in page
     assert "NOT LOCKED" in page and "S4" in page
+
+
+def test_replication_is_taken_over_the_studies_that_evaluated_the_claim():
+    """A study that did not evaluate a claim is left out: the others deciding it alike replicate it (with their
+    count), one supporting and one refuting flip it, a single evaluating study leaves it open; the pre-registered
+    rule, which counts a not-evaluated study as open, is kept beside it."""
+    ne = NOT_EVALUATED
+    assert replication(["refuted", "refuted", ne, "refuted", ne]) == ("replicated", 3)
+    assert replication_preregistered(["refuted", "refuted", ne, "refuted", ne]) == "open"
+    assert replication(["supported", ne, "refuted"]) == ("flipped", 2)
+    assert replication(["supported", "inconclusive", "refuted"]) == ("flipped", 3)
+    assert replication([ne, "supported", ne]) == ("open", 1)
+    assert replication(["supported", "inconclusive", ne]) == ("open", 2)
+    assert replication([ne, ne]) == ("open", 0)
+    assert replication(["supported", "supported"]) == ("replicated", 2)
+    assert replication_preregistered(["supported", "supported"]) == "replicated"
+
+
+def test_the_tables_show_both_replication_labels():
+    s1, s2 = _cards()
+    only = build_scorecard([_claim("C1", "refuted", -1.0, "supported")], UNLOCKED, ids=["C1"])  # C2, C3, T1: none
+    card = combined_scorecard({"study1": s1, "study2": s2, "study3": only})
+    rows = {r["id"]: r for r in card["side_by_side"]}
+    assert (rows["C1"]["replication"], rows["C1"]["replication_studies"]) == ("replicated", 3)
+    assert rows["C2"]["replication"] == "flipped" and rows["C2"]["replication_preregistered"] == "flipped"
+    assert (rows["T1"]["replication"], rows["T1"]["replication_studies"]) == ("replicated", 2)
+    assert rows["T1"]["replication_preregistered"] == "open"  # study 3 did not evaluate T1
+    md = combined_markdown(card)
+    table = [[c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines() if line.startswith("|")]
+    assert table[0][-2:] == ["replication", "pre-registered rule"]
+    by_id = {r[0].split(":")[0]: r[-2:] for r in table[2:]}
+    assert by_id["C1"] == ["replicated (3/3)", "replicated"]
+    assert by_id["C2"] == ["flipped (2 evaluated)", "flipped"]
+    assert by_id["C3"] == ["open (1 evaluated)", "open"]
+    assert by_id["T1"] == ["replicated (2/2)", "open"]
+    assert "over the studies that evaluated the claim" in md
+    page = combined_html(card, [])
+    assert "<th>pre-registered rule</th>" in page and "<td>replicated (2/2)</td>" in page

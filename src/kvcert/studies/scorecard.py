@@ -1,14 +1,14 @@
 """The combined scorecard: each study's own scorecard (kvcert.analysis.scorecard.build_scorecard, unchanged) side by
-side, one row per claim, with the replication label of study 2's PLAN.md section 6 and a footer that says what the
-table does not: no multiplicity correction, N against the power target, on which side of the paper each
-inconclusive point estimate lies, and what T1's interval is.
+side, one row per claim, with its replication label and a footer that says what the table does not: no multiplicity
+correction, N against the power target, on which side of the paper each inconclusive point estimate lies, and what
+T1's interval is.
 
     card = combined_scorecard({"study1": card1, "study2": card2}, secondary=s1_to_s5, power=targets)
     write_combined(card, out_dir, figures)   # scorecard.json (strict), scorecard.md, scorecard.html
 
-Replication (PLAN.md section 6): "replicated" when every study's verdict is the same and not inconclusive,
-"flipped" when one study supports a claim and another refutes it, "open" otherwise (an inconclusive or a
-not-evaluated verdict in either study). Verdicts are reported beside each other, never pooled.
+Replication (`replication`, REPLICATION) is taken over the studies that evaluated the claim; the pre-registered rule's
+label (study 2's PLAN.md section 6, a not-evaluated study counting as open) is kept beside it (DEVIATIONS.md, stop
+39). Verdicts are reported beside each other, never pooled.
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ MULTIPLICITY = (
     "a claim's verdict. Each study's verdicts are reported beside the other's, never pooled."
 )
 REPLICATION = (
-    "replicated: both studies' verdicts equal and not inconclusive; flipped: one supported, the other refuted; "
-    "open: otherwise (an inconclusive or missing verdict)."
+    "over the studies that evaluated the claim (one that did not is left out). replicated (k/k): all k >= 2 studies "
+    "that evaluated it decided it the same way, supported or refuted; flipped: one supported it, another refuted it; "
+    "open (n evaluated): otherwise, an inconclusive verdict among the n or fewer than two. 'pre-registered rule': the "
+    "rule as study 2's PLAN.md section 6 wrote it for studies that each evaluated every claim, a study that did not "
+    "evaluate the claim counting as open."
 )
 T1_INTERVAL = "range over lambda of mean V_hat / MSE (not a confidence interval)"
 _OPS = {">=": lambda x, t: x >= t, ">": lambda x, t: x > t, "<=": lambda x, t: x <= t, "<": lambda x, t: x < t}
@@ -61,34 +64,41 @@ def _interval_kind(claim: Mapping) -> str:
     return T1_INTERVAL if claim.get("id") == "T1" else "95% example-cluster bootstrap percentile interval"
 
 
-def replication(verdicts: list[str]) -> str:
-    """'replicated' | 'flipped' | 'open' over the studies' verdicts (NOT_EVALUATED counts as open)."""
+def replication_preregistered(verdicts: list[str]) -> str:
+    """'replicated' | 'flipped' | 'open' over every study's verdict, NOT_EVALUATED counting as open (PLAN.md 6)."""
     if len(verdicts) >= 2 and len(set(verdicts)) == 1 and verdicts[0] in CONCLUSIVE:
         return "replicated"
-    if {"supported", "refuted"} <= set(verdicts):
-        return "flipped"
-    return "open"
+    return "flipped" if {"supported", "refuted"} <= set(verdicts) else "open"
+
+
+def replication(verdicts: list[str]) -> tuple[str, int]:
+    """(label, how many studies evaluated the claim): the pre-registered rule over the studies that evaluated it, so
+    a claim only some studies asked about is replicated when all of those decided it the same conclusive way."""
+    evaluated = [v for v in verdicts if v != NOT_EVALUATED]
+    return replication_preregistered(evaluated), len(evaluated)
+
+
+def replication_text(row: Mapping) -> str:
+    """'replicated (4/4)', 'open (1 evaluated)' (a card from before the count: the label alone)."""
+    label, n = str(row["replication"]), row.get("replication_studies")
+    return label if n is None else f"{label} ({n}/{n})" if label == "replicated" else f"{label} ({n} evaluated)"
 
 
 def _condition_side(cond: Mapping) -> dict:
     value = cond.get("value") if isinstance(cond.get("value"), Mapping) else {}
     est = cond.get("estimate", value.get("estimate"))
     direction, threshold = cond.get("direction"), cond.get("threshold")
-    if direction in _OPS and _finite(est) and _finite(threshold):
-        side = "predicted" if _OPS[str(direction)](float(est), float(threshold)) else "other"
-    else:
-        side = NA
+    decidable = direction in _OPS and _finite(est) and _finite(threshold)
+    side = ("predicted" if _OPS[str(direction)](float(est), float(threshold)) else "other") if decidable else NA
     return {"metric": cond.get("metric"), "direction": direction, "threshold": threshold, "estimate": est, "side": side}
 
 
 def inconclusive_direction(claim: Mapping) -> dict:
     """For an inconclusive claim: whether its point estimates are on the paper's side of the decision thresholds.
-
-    Each decision condition's point estimate is on the predicted side of its threshold or on the other side. If the
-    paper supports the claim, its side is every condition on the predicted side (any condition on the other side:
-    against); if the paper refutes it, its side is any condition on the other side (all on the predicted side:
-    against). n/a when the paper has no supported/refuted verdict, the claim has no conditions (T1) or the estimates
-    that would decide are undefined."""
+    Each condition's estimate is on the predicted side of its threshold or the other. If the paper supports the claim,
+    its side is every condition on the predicted side (any on the other: against); if the paper refutes it, any
+    condition on the other side (all on the predicted side: against). n/a when the paper has no supported/refuted
+    verdict, the claim has no conditions (T1) or the estimates that would decide are undefined."""
     sides = [_condition_side(c) for c in claim.get("conditions") or []]
     paper = claim.get("paper_verdict")
     got = [s["side"] for s in sides]
@@ -139,12 +149,11 @@ def combined_scorecard(
 ) -> dict:
     """Study id -> that study's scorecard ({"lock", "claims"}, optional "profile", "runs", "n_examples") into one
     strict-JSON dict: `studies` (each lock and claims as they came, `interval` = `ci` added), `side_by_side` (one row
-    per claim id with each study's verdict / observed / ci, the paper's verdict / value and the replication label),
-    `footer` (multiplicity, N against the power target, direction of each inconclusive result, T1's interval) and,
-    with `secondary` (S-id -> {estimate, lo, hi, status, ...}), studies.study2.secondary; `study_secondary` (study id
-    -> its S-id mapping) does the same for other studies (study 3's models), and `model_dependence` (rows of
-    kvcert.studies.model_dependence: claim, metric, both estimates, difference, interval, reading) is kept as
-    `model_dependence` and rendered as its own table."""
+    per claim id: each study's verdict / observed / ci, the paper's verdict / value, `replication`,
+    `replication_studies` (how many studies evaluated it) and `replication_preregistered`), `footer` (multiplicity, N
+    against the power target, direction of each inconclusive result, T1's interval) and, with `secondary` (S-id ->
+    {estimate, lo, hi, status, ...}), studies.study2.secondary; `study_secondary` (study id -> its S-id mapping) does
+    the same for other studies, and `model_dependence` (kvcert.studies.model_dependence's rows) is kept as such."""
     if not studies:
         raise ValueError("no study scorecards")
     if secondary is not None and "study2" not in studies:
@@ -180,6 +189,7 @@ def combined_scorecard(
                 "n_examples": c.get("n_examples") if ok else None,
                 "evaluated": ok,
             }
+        label, n_evaluating = replication(verdicts := [cells[sid]["verdict"] for sid in studies])
         rows.append(
             {
                 "id": cid,
@@ -189,7 +199,9 @@ def combined_scorecard(
                 "studies": cells,
                 "paper_verdict": paper,
                 "paper_value": paper_value,
-                "replication": replication([cells[sid]["verdict"] for sid in studies]),
+                "replication": label,
+                "replication_studies": n_evaluating,
+                "replication_preregistered": replication_preregistered(verdicts),
             }
         )
 
@@ -234,12 +246,14 @@ def _paper(row: Mapping) -> str:
 def _table(card: Mapping) -> tuple[list[str], list[list[str]], list[str]]:
     sids = list(card["studies"])
     header = ["claim", *[f"{sid} verdict, estimate [CI]" for sid in sids], "paper", "replication"]
+    header.append("pre-registered rule")  # the locked rule's label, beside the one over the evaluating studies
     body, classes = [], []
     for row in card["side_by_side"]:
         unit = str(row.get("unit") or "")
         name = f"{row['id']}: {row['claim']}" if row.get("claim") else str(row["id"])
         t1 = row["id"] == "T1"
-        body.append([name, *[_estimate(row["studies"][s], unit, t1) for s in sids], _paper(row), row["replication"]])
+        cells = [_estimate(row["studies"][s], unit, t1) for s in sids]
+        body.append([name, *cells, _paper(row), replication_text(row), str(row.get("replication_preregistered"))])
         classes.append(str(row["replication"]))
     return header, body, classes
 
@@ -337,12 +351,8 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
 
     def table(header: list[str], body: list[list[str]], classes: list[str] | None = None) -> str:
         head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-        trs = "".join(
-            f'<tr class="{html.escape(classes[i]) if classes else ""}">'
-            + "".join(f"<td>{html.escape(x)}</td>" for x in r)
-            + "</tr>"
-            for i, r in enumerate(body)
-        )
+        tds = ["".join(f"<td>{html.escape(x)}</td>" for x in r) for r in body]
+        trs = "".join(f'<tr class="{html.escape(classes[i]) if classes else ""}">{t}</tr>' for i, t in enumerate(tds))
         return f"<table><tr>{head}</tr>{trs}</table>"
 
     locks = "".join(
