@@ -8,6 +8,7 @@ import json
 import math
 import re
 import warnings
+from html import escape
 from html.parser import HTMLParser
 
 import pytest
@@ -16,9 +17,9 @@ import kvcert.serve
 from kvcert.bench.common import no_eos
 from kvcert.policy import FULL
 from kvcert.serve import Calibration, Escalation, generate
-from kvcert.serve.calibration import POLICY_FIELDS
+from kvcert.serve.calibration import POLICY_FIELDS, shipped
 from kvcert.serve.cli import main
-from kvcert.serve.generate import Escalated, Generation, Token, default_policy
+from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Generation, Token, default_policy
 from kvcert.serve.html import render_html
 from kvcert.tasks import make_examples
 
@@ -104,7 +105,7 @@ def test_the_page_is_self_contained_escapes_token_text_and_marks_the_escalation(
     card = re.search(r'id="t1" data-tip="([^"]*)"', page).group(1)
     assert "L0: 0.31" in card and "L1:" not in card and "log-probability -2.300" in card
     assert "KV cache held 3.0 MiB vs 8.0 MiB for the full cache (38%)" in page
-    assert gen.summary().replace("&", "&amp;") in page
+    assert escape(gen.summary()) in page
 
 
 def test_the_page_of_a_real_generation_has_one_span_per_token_and_its_escalation(tiny_smol):
@@ -160,10 +161,12 @@ def _one_error_line(capsys, *phrases: str) -> str:
 @pytest.mark.parametrize(
     "extra, phrases",
     [
-        (["--budget", "0"], ["--budget 0 is outside (0, 1]; pass"]),
-        (["--budget", "1.5"], ["--budget 1.5 is outside (0, 1]"]),
+        (["--budget", "0"], ["the budget 0 is outside (0, 1]; pass"]),
+        (["--budget", "1.5"], ["the budget 1.5 is outside (0, 1]"]),
         (["--budget", "a quarter"], ["is not a number"]),
-        (["--escalate", "2"], ["--escalate 2 is outside (0, 1)"]),
+        (["--max-new-tokens", "0"], ["max_new_tokens 0 is below 1; pass"]),
+        (["--escalate", "2"], ["--escalate 2 is outside (0, 1); pass auto, none or a rate"]),
+        (["--escalate", "banana"], ["--escalate 'banana' is not a valid value; pass auto, none or a rate in (0, 1)"]),
         (["--calibration", "none", "--escalate", "0.1"], ["--escalate needs a calibration"]),
         (["--calibration", "no-such.json"], ["calibration file no-such.json does not exist; pass"]),
         (["--tolerance", "0"], ["--tolerance 0 is not positive"]),
@@ -181,9 +184,42 @@ def test_a_missing_context_file_is_refused(tmp_path, capsys, no_model_load):
     _one_error_line(capsys, "context file", "nope.txt does not exist")
 
 
-def test_an_unknown_model_is_refused(doc, capsys, no_model_load):
-    assert main(_generate_args(doc, model="no-such-model")) == 2
-    _one_error_line(capsys, "unknown model 'no-such-model'", SMOL)
+def test_a_hub_id_goes_to_the_loader_and_its_refusal_is_one_line(doc, capsys, monkeypatch):
+    """`--model gpt2` is not refused as unknown: the id reaches kvcert.load_model, whose ModelLoadError (offline: not
+    in the local cache, run `hf download`) is the one error line; a short name reaches it as the packaged name."""
+    from kvcert.hf.loading import ModelLoadError
+
+    asked = []
+
+    def offline(name, **kwargs):
+        asked.append(name)
+        raise ModelLoadError(f"model '{name}' is not in the local Hugging Face cache: run `hf download {name}`")
+
+    monkeypatch.setattr(kvcert.serve, "load_model", offline)
+    assert main(_generate_args(doc, "--calibration", "none", model="gpt2")) == 2
+    _one_error_line(capsys, "model 'gpt2' is not in the local Hugging Face cache", "hf download gpt2")
+    assert main(_generate_args(doc, "--calibration", "none", model="gemma3")) == 2
+    _one_error_line(capsys, "gemma3-270m")
+    assert asked == ["gpt2", "gemma3-270m"]
+
+
+def test_help_names_every_generate_option_with_its_default(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["generate", "--help"])
+    assert stop.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for phrase in (
+        "--question QUESTION the question to answer from the document",
+        "the most tokens the answer may have (default 64)",
+        "seed of the randomized design's draws (default 0)",
+        "that crossed (default answer)",
+        "--escalate {auto,none,RATE}",
+        "(default auto)",
+        "(default 0.25)",
+        "Hugging Face hub id",
+        "'Answer:' for a model without a chat template",
+    ):
+        assert phrase in text, phrase
 
 
 def test_a_folder_the_loader_cannot_read_is_its_one_line_error(doc, tmp_path, capsys):
@@ -319,11 +355,17 @@ def test_generate_end_to_end_on_the_packaged_smollm2(tmp_path, capsys):
     if data["escalations"]:
         (esc,) = data["escalations"]
         assert esc["token"] == 0 and esc["budget_to"] == 1.0 and data["kv_bytes"] == data["full_kv_bytes"]
-        assert "[restarted at budget 1" in out
+        assert "[restarted with the full cache: the answer's largest certificate" in out
+        assert data["summary"].startswith("answer from the full cache (restarted from budget 0.25: ")
     else:
+        assert data["summary"].startswith("answer from window_question x randomized @ 0.25: certificate max ")
         assert 0 < data["kv_bytes"] < data["full_kv_bytes"]
     page = out_html.read_text()
     assert len(TOKEN_SPAN.findall(page)) == len(data["steps"])
+    # the legend's scale is the threshold the escalation used: the shipped file's for budget 0.25, not the pooled one
+    threshold = shipped(SMOL).threshold(DEFAULT_ESCALATION.rate, 0.25)
+    assert data["threshold"] == threshold != shipped(SMOL).threshold(DEFAULT_ESCALATION.rate)
+    assert f"certificate 0 &rarr; {threshold:.3g} (the escalation threshold" in page
 
 
 def test_calibrate_writes_a_file_generate_accepts(tmp_path, monkeypatch, capsys, tiny_smol):

@@ -22,14 +22,15 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from kvcert.policy import FULL, Policy
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
-from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, Probe, choose_budget, probe_error, summarize
+from kvcert.serve.generation import EXACT, Generation
+from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, choose_budget, probe_error, summarize
 from kvcert.serve.stream import (
     AUTO,
     CALIBRATED_SIGNALS,
@@ -59,7 +60,6 @@ __all__ = [
 DEFAULT_ESCALATION = Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
 
 DEFAULT_MAX_NEW_TOKENS = 64
-EXACT = "none needed (full cache: exact)"  # Generation.calibration of a full-cache generation
 MESSAGES_WINDOW = 32  # tokens at the end of a chat prompt that play the question (see build_prompt)
 _WARNED: set[tuple] = set()
 
@@ -67,64 +67,6 @@ _WARNED: set[tuple] = set()
 def default_policy(budget: float) -> Policy:
     """The studies' randomized policy: question-aware window scorer, tail fraction 0.75, floor 0.2."""
     return Policy(scorer="window_question", design="randomized", budget=budget, tail_fraction=0.75, floor=0.2)
-
-
-@dataclass
-class Generation:
-    text: str
-    steps: list[Token]
-    escalations: list[Escalated]
-    kv_bytes: int  # the most the compressed cache held (keys and values, reserved slots included)
-    full_kv_bytes: int  # what this engine's full cache of the same prompt and max_new_tokens holds (>= kv_bytes)
-    prompt_tokens: int
-    policy: Policy
-    calibration: str | None  # what calibrated the certificates ("model: file"), None when uncalibrated
-    reduction: str
-    stopped: str  # "eos", "stop string", "max_new_tokens"
-    probe: Probe | None = None  # the prefill probe of the cache the answer started from (kvcert.serve.probe)
-    budget_choice: BudgetChoice | None = None  # with tolerance=: the ladder's probe errors and the budget chosen
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t.id for t in self.steps]
-
-    @property
-    def logprobs(self) -> list[float]:
-        return [t.logprob for t in self.steps]
-
-    @property
-    def certificate(self) -> list[float]:
-        return [t.certificate for t in self.steps]
-
-    @property
-    def trusted(self) -> list[bool]:
-        return [t.trusted for t in self.steps]
-
-    def summary(self) -> str:
-        """One line: the certificate over the answer, trust, escalations and memory."""
-        certs = [c for c in self.certificate if math.isfinite(c)]
-        worst = f"{max(certs):.3f}" if certs else "n/a"
-        trust = f"{sum(self.trusted)}/{len(self.steps)} tokens trusted"
-        if self.calibration is None:
-            trust += " (uncalibrated)"
-        esc = f"{len(self.escalations)} escalation(s)" + (
-            f" (at token {', '.join(str(e.token) for e in self.escalations)})" if self.escalations else ""
-        )
-        mem = f"KV {self.kv_bytes / 2**20:.1f} MiB vs full {self.full_kv_bytes / 2**20:.1f} MiB"
-        if self.probe is not None:
-            mem += f", prefill probe error {self.probe.error:.3g}"
-        if self.budget_choice is not None:
-            mem += f" (budget {self.budget_choice.chosen:g} chosen for tolerance {self.budget_choice.tolerance:g})"
-        return (
-            f"certificate max {worst} ({self.reduction}, relative radius at 0.95), {trust}, {esc}, {mem} "
-            f"[{self.policy.scorer} x {self.policy.design} @ {self.policy.budget:g}]"
-        )
-
-    def to_dict(self) -> dict:
-        out = asdict(self)
-        out["policy"] = asdict(self.policy)
-        out["summary"] = self.summary()
-        return out
 
 
 def _warn_once(key: tuple, message: str) -> None:
@@ -172,11 +114,13 @@ def resolve_calibration(
     return cal, label
 
 
-def build_prompt(tokenizer, *, context, question, messages, prompt_format: str, answer_prefix: str = ""):
+def build_prompt(tokenizer, *, context, question, messages, prompt_format: str, answer_prefix: str | None = None):
     """(input ids, index where the question starts, stop strings). answer_prefix: the start of the answer the model
-    continues (a base model needs one, e.g. "The access code is"; the answer returned excludes it)."""
+    continues (a base model needs one, e.g. "The access code is"; the answer returned excludes it); None: the
+    format's default (`kvcert.tasks.render.default_answer_prefix`: "Answer:" in the plain base-model format, else
+    none); "": none."""
     from kvcert.tasks import Example, render
-    from kvcert.tasks.render import end_of_turn_strings
+    from kvcert.tasks.render import default_answer_prefix, end_of_turn_strings
 
     if messages is not None:
         if context is not None or question is not None:
@@ -192,6 +136,8 @@ def build_prompt(tokenizer, *, context, question, messages, prompt_format: str, 
         return ids, max(1, len(ids) - MESSAGES_WINDOW), end_of_turn_strings(tokenizer)
     if context is None or question is None:
         raise ValueError("pass context= and question= (or messages=)")
+    if answer_prefix is None:
+        answer_prefix = default_answer_prefix(tokenizer, prompt_format)
     example = Example(
         id="prompt",
         task="user",
@@ -247,7 +193,7 @@ def generate(
     probe: bool = True,
     tolerance: float | None = None,
     ladder: tuple[float, ...] = DEFAULT_LADDER,
-    answer_prefix: str = "",
+    answer_prefix: str | None = None,
 ) -> Generation:
     """Greedy generation from a compressed cache with a per-token certificate (see the module docstring).
 
@@ -258,10 +204,18 @@ def generate(
     (default: the packaged model's, else auto); seed: the design's random draws; probe: measure the prefill probe
     (`Generation.probe`); tolerance: choose the budget from `ladder` by the probe (kvcert.serve.probe; `budget` is
     then ignored and the chosen budget reported in `Generation.budget_choice`); answer_prefix: text the answer starts
-    with, read as part of the prompt (a base model such as gemma3-270m otherwise often ends its turn at once)."""
+    with, read as part of the prompt and not returned; None (the default): "Answer:" for a model without a chat
+    template (plain format: asked a bare question, a base model such as gemma3-270m ends its turn at once), none in
+    the chat format; "": none. An empty answer is warned about, naming answer_prefix=. Bad input (an empty context
+    or question, a budget outside (0, 1], text the tokenizer cannot read back) is one ValueError naming the fix
+    (`kvcert.serve.validate`)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
+    from kvcert.serve.validate import validate_request
+    from kvcert.tasks.render import default_answer_prefix
 
+    validate_request(context=context, question=question, budget=None if policy else budget, messages=messages,
+                     max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, tokenizer=tokenizer)  # fmt: skip
     model_name = model_name or getattr(model, "kvcert_name", None)
     policy = policy or default_policy(budget)
     if prompt_format is None:
@@ -271,8 +225,8 @@ def generate(
 
             if model_name in EMBEDDED_MODELS:
                 prompt_format = embedded_prompt_format(model_name)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if answer_prefix is None and messages is None:
+        answer_prefix = default_answer_prefix(tokenizer, prompt_format)
     ids, qs, stops = build_prompt(
         tokenizer,
         context=context,
@@ -347,6 +301,8 @@ def generate(
     if n_answer < len(all_tokens):
         stopped = "eos" if all_tokens[n_answer] in eos else "stop string"
     del stream.steps[n_answer:]
+    if not text.strip():
+        _warn_empty(stopped, answer_prefix)
     return Generation(
         text=text,
         steps=stream.steps,
@@ -360,6 +316,21 @@ def generate(
         stopped=stopped,
         probe=probe_result if probe else None,
         budget_choice=choice,
+        answer_prefix=answer_prefix or "",
+        escalation=escalate,
+        threshold=threshold,
+    )
+
+
+def _warn_empty(stopped: str, answer_prefix: str | None) -> None:
+    """One line when the answer is empty, naming the fix (the usual cause: the model ends its turn at once)."""
+    if answer_prefix:
+        fix = f"pass answer_prefix= with more of the answer's first words than {answer_prefix!r}, e.g. 'The code is'"
+    else:
+        fix = "pass answer_prefix='Answer:' or the answer's first words, e.g. answer_prefix='The code is'"
+    warnings.warn(
+        f"kvcert: the answer is empty (stopped at {stopped} before any text); {fix} (CLI: --answer-prefix)",
+        stacklevel=3,
     )
 
 

@@ -14,7 +14,8 @@ import math
 from html import escape
 from pathlib import Path
 
-from kvcert.serve.generate import Escalated, Generation, Token
+from kvcert.serve.generation import Generation
+from kvcert.serve.stream import Escalated, Token
 
 LAYERS_PER_LINE = 5  # per-layer values in the hover card, this many to a line
 
@@ -133,11 +134,23 @@ def _escalation_mark(esc: Escalated) -> str:
     return f'<mark class="esc" data-tip="{tip}">&#8635; {escape(to)}</mark>'
 
 
+def escalation_threshold(gen: Generation) -> tuple[float | None, str | None]:
+    """The certificate threshold the generation's escalation rule used (the calibration's for its rate at the
+    policy's budget, or the one given), with its legend label; (None, None) when no certificate rule applied."""
+    esc = gen.escalation
+    if esc is None or esc.signal != "certificate" or gen.threshold is None:
+        return None, None
+    if esc.threshold is not None:
+        return gen.threshold, "the escalation threshold given"
+    where = f"at budget {gen.policy.budget:g}"
+    return gen.threshold, f"the escalation threshold: the calibration's for escalating {esc.rate:g} of answers {where}"
+
+
 def _scale_caption(top: float, threshold: float | None, threshold_label: str | None) -> str:
     if threshold is not None:
         label = escape(threshold_label or "escalation threshold")
         return f"0 &rarr; {top:.3g} ({label}; red at or above it)"
-    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no calibration threshold given)"
+    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied)"
 
 
 def _mib(n: int) -> str:
@@ -157,14 +170,19 @@ def _token_table(gen: Generation) -> str:
 def render_html(
     generation: Generation,
     *,
-    title: str = "kvcert generate",
+    title: str | None = None,
     question: str | None = None,
     threshold: float | None = None,
     threshold_label: str | None = None,
 ) -> str:
-    """The page as a string. threshold: the certificate at which the colour scale turns red (the calibration's
-    escalation threshold, say); without one the scale runs to the answer's largest certificate."""
+    """The page as a string. title: default "kvcert generate: answer from <the cache it came from>". threshold: the
+    certificate at which the colour scale turns red; default the one the generation's escalation used
+    (`escalation_threshold`); without either the scale runs to the answer's largest certificate."""
     gen = generation
+    if title is None:
+        title = f"kvcert generate: answer from {gen.source()}"
+    if threshold is None:
+        threshold, threshold_label = escalation_threshold(gen)
     finite = [c for c in gen.certificate if math.isfinite(c)]
     top = threshold if threshold is not None and threshold > 0 else max(finite, default=0.0)
     marks: dict[int, list[str]] = {}

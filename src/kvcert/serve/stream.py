@@ -87,6 +87,7 @@ class Escalated:
     reread_tokens: int  # prompt + generated tokens read again (the extra prefill)
     scope: str = "token"
     discarded: int = 0  # tokens written before the escalation and thrown away (a restart discards the answer)
+    threshold: float | None = None  # the rule's threshold it crossed (its signal's unit; the HTML legend's scale)
 
 
 class _Stream:
@@ -136,7 +137,7 @@ class _Stream:
                 return f"combined risk {risk:.3g} > threshold {self.threshold:.3g}"
         # answer scope: the answer's running max of certificates / min of log-probabilities crosses at the first
         # token that crosses, so the test per token is the same; what differs is the action (a restart)
-        kind = "answer's largest certificate" if self.answer_scope else "certificate"
+        kind = "the answer's largest certificate" if self.answer_scope else "certificate"
         if esc.signal == "certificate" and self.threshold is not None and cert > self.threshold:
             return f"{kind} {cert:.3g} > threshold {self.threshold:.3g}"
         if esc.signal == "confidence" and -logprob > self.threshold:
@@ -205,6 +206,7 @@ def _escalate_to(stream: _Stream, escalate: Escalation, current: Policy, why: st
         reread_tokens=reread,
         scope=escalate.scope,
         discarded=len(stream.steps) - kept,
+        threshold=stream.threshold,
     )
     del stream.steps[kept:]
     stream.escalations.append(event)

@@ -27,6 +27,13 @@ from kvcert.tasks.ruler import LIST_TASKS, Example
 SEPARATOR = "\n\n"  # between the context and the question inside the user message
 ANSWER_SEPARATOR = " "  # plain rendering: between the question and the answer prefix (RULER's base template)
 PROMPT_FORMATS = ("auto", "chat", "plain")
+# the answer prefix a prompt gets on a base model when none is given (kvcert.generate's answer_prefix=None): asked a
+# bare question in the plain format, a base model such as Gemma 3 270M often writes a newline (a stop) and nothing else
+BASE_ANSWER_PREFIX = "Answer:"
+ROUND_TRIP = (
+    "the prompt does not round-trip through the tokenizer (it drops or changes some characters); strip control "
+    "characters and unassigned code points (text extracted from a binary file has them), or pass plain text"
+)
 
 
 @dataclass(frozen=True)
@@ -75,6 +82,13 @@ def resolve_prompt_format(tokenizer, prompt_format: str | None = "auto") -> str:
     return fmt
 
 
+def default_answer_prefix(tokenizer, prompt_format: str | None = "auto") -> str:
+    """The answer prefix for a prompt without one: BASE_ANSWER_PREFIX in the plain (base-model) format, where
+    ``render`` puts it after the question and a space as it does a task's own prefix; none in the chat format (the
+    assistant turn starts the answer)."""
+    return BASE_ANSWER_PREFIX if resolve_prompt_format(tokenizer, prompt_format) == "plain" else ""
+
+
 def _stops(example: Example, tokenizer, prompt_format: str) -> tuple[str, ...]:
     """The example's own stop strings after the end-of-turn tokens (task=jsonl), else the task's defaults."""
     if example.stop_strings is not None:
@@ -98,7 +112,7 @@ def _render_plain(example: Example, tokenizer) -> Rendered:
         suffix += ANSWER_SEPARATOR + example.answer_prefix
     context_ids, suffix_ids = _ids(tokenizer, context), _ids(tokenizer, suffix)
     if _decode(tokenizer, context_ids) != context or _decode(tokenizer, suffix_ids) != suffix:
-        raise TaskError(f"example {example.id}: the prompt does not round-trip through the tokenizer")
+        raise TaskError(f"example {example.id}: {ROUND_TRIP}")
     prefix_ids = _bos_ids(tokenizer) + context_ids
     return Rendered(
         example=example,
@@ -119,12 +133,16 @@ def render(example: Example, tokenizer, prompt_format: str | None = "auto") -> R
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     cut = text.find(example.context)
     if cut < 0 or text.find(example.context, cut + 1) >= 0:
-        raise TaskError(f"example {example.id}: the chat template changed or repeated the context")
+        raise TaskError(
+            f"example {example.id}: the chat template changed or repeated the context (an empty context, or one whose "
+            "text the template also writes or alters); pass a non-empty context that is more than a template word, "
+            "or prompt_format='plain'"
+        )
     cut += len(example.context)
     prefix, suffix = text[:cut], text[cut:] + example.answer_prefix
     prefix_ids, suffix_ids = _ids(tokenizer, prefix), _ids(tokenizer, suffix)
     if _decode(tokenizer, prefix_ids) != prefix or _decode(tokenizer, suffix_ids) != suffix:
-        raise TaskError(f"example {example.id}: the prompt does not round-trip through the tokenizer")
+        raise TaskError(f"example {example.id}: {ROUND_TRIP}")
     return Rendered(
         example=example,
         input_ids=prefix_ids + suffix_ids,
