@@ -212,6 +212,11 @@ def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, varian
     assert sig.disagreement == pytest.approx(
         np.mean([max(leader.logprobs[t] - f.logprobs[t] for t in range(*sig.span)) for f in followers])
     )
+    # one row's bytes by hand: the full cache keeps every prompt position of every layer and KV head
+    cfg = model.config
+    per_entry = 2 * cfg.head_dim * 4  # keys and values, float32
+    want_full = per_entry * cfg.num_hidden_layers * cfg.num_key_value_heads * (N + STEPS)
+    assert union_kv_bytes(batch, [0], {0: STEPS}) == want_full
     appended = {i: STEPS for i in range(1, len(rows) + 1)}
     union = union_kv_bytes(batch, list(range(1, len(rows) + 1)), appended)
     one = union_kv_bytes(batch, [1], {1: STEPS})

@@ -98,8 +98,8 @@ def union_kv_bytes(batch, policy_rows: list[int], appended: dict[int, int]) -> i
     shared head once), plus each row's own appended tokens (`appended`: policy index -> tokens appended after the
     compression; their keys differ between rows)."""
     comps = dict(zip(batch.rows, batch.comps))
-    first = batch.state.layers[0]
-    d, item, n_kv = first.keys.shape[-1], first.keys.element_size(), first.keys.shape[1]
+    first = batch.state.layers[0].values  # (B, Hkv, capacity, d)
+    d, item, n_kv = first.shape[-1], first.element_size(), first.shape[1]
     n_layers = len(comps[policy_rows[0]].indices)
     entries = 0
     for layer in range(n_layers):
