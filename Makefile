@@ -60,7 +60,7 @@ lint: $(STAMP) ## ruff check + ruff format --check
 	$(PY) -m ruff check src tests
 	$(PY) -m ruff format --check src tests
 
-smoke: $(STAMP) ## a few minutes: both studies' pipeline (run, publish, analyze, combined scorecard) on a tiny profile (-> results/smoke/, results/study2/smoke/) + a cell with every scorer
+smoke: $(STAMP) ## a few minutes: studies 1-3's pipeline (run, publish, analyze, combined scorecard) on a tiny profile, 1 example per task (-> results/smoke/, results/study2/smoke/, results/study3/<model>/smoke/) + a cell with every scorer (study 4 has no smoke profile)
 	$(PY) -m kvcert.reproduce smoke --study all
 	$(PY) -m kvcert.run +debug=smoke results_dir=results/smoke/runs
 
