@@ -25,7 +25,9 @@ help: ## list the targets
 # lock it was built from is kept in $(VENV)/requirements.lock); a changed pyproject.toml only reinstalls kvcert.
 # A VENV= outside this checkout with kvcert installed editable from another, existing checkout is refused in one line
 # before anything is touched (requirements/venv_guard.py): reinstalling would break that checkout's import kvcert.
-$(STAMP): requirements.lock pyproject.toml
+# kvcert's install builds the compiled decode kernel into src/kvcert/hf/ (setup.py; about 40 s) with the venv's torch,
+# hence --no-build-isolation (setuptools comes from the lock); without a C++ compiler it goes on, built at first use.
+$(STAMP): requirements.lock pyproject.toml setup.py src/kvcert/hf/kernel.py src/kvcert/hf/csrc/decode_attention.cpp
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install CPython 3.11 (the lock's Python) or set PYTHON=/path/to/python3.11"; exit 1; }
 	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { echo "error: $(PYTHON) is not CPython 3.11, which requirements.lock is for; set PYTHON=python3.11 (or pip install -e . into your own environment, unpinned)"; exit 1; }
 	@$(PYTHON) -I requirements/venv_guard.py "$(VENV)" "$(CURDIR)"
@@ -33,7 +35,7 @@ $(STAMP): requirements.lock pyproject.toml
 		&& $(PY) -m pip install -q pip==$(PIP_VERSION) \
 		&& $(PY) -m pip install -q --no-deps -r requirements.lock $(PIP_ARGS) \
 		&& cp requirements.lock $(VENV)/requirements.lock; }
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 
 install: $(STAMP) ## create .venv with exactly requirements.lock (CPython 3.11), kvcert editable, packaged data

@@ -4,6 +4,10 @@ and its errors. End to end (every statistic equal to the torch-ops backend's): t
 
 from __future__ import annotations
 
+import json
+import sysconfig
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -113,6 +117,7 @@ def test_a_kernel_that_cannot_build_says_how_to_go_on(tmp_path, monkeypatch):
     bad = tmp_path / "decode_attention.cpp"
     bad.write_text("this is not C++\n")
     monkeypatch.setattr(fused, "SOURCE", bad)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))  # the failed build's folder stays out of ~/.cache
     fused.kernel.cache_clear()
     try:
         with pytest.raises(RuntimeError, match=r"could not build its C\+\+ kernel .*decode.backend=torch"):
@@ -167,3 +172,81 @@ def test_auto_falls_back_to_torch_with_one_line_when_the_kernel_cannot_build(mon
     with pytest.raises(ValueError, match="decode.backend=compiled cannot run: no compiler here"):
         compressed_batch.resolve_backend("compiled", like, model.config)
     compressed_batch._announce.cache_clear()
+
+
+# ------------------------------------------------------------------------------ where the compiled kernel comes from
+@pytest.fixture
+def fresh_kernel():
+    """kernel() looks again (it caches its module per process)."""
+    fused.kernel.cache_clear()
+    yield
+    fused.kernel.cache_clear()
+
+
+def _refuse_builds(monkeypatch) -> None:
+    import torch.utils.cpp_extension as cpp
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("kernel() built the extension")
+
+    monkeypatch.setattr(cpp, "load", refuse)
+
+
+def test_the_flags_of_the_published_records_are_kept():
+    """CFLAGS and the source fix the float rounding of the published records; the install build and the JIT build
+    both take them from kernel.py."""
+    assert fused.CFLAGS == ("-O3", "-march=native", "-ffast-math", "-fopenmp") and fused.LDFLAGS == ("-fopenmp",)
+    record = fused.build_record()
+    assert record["cflags"] == "-O3 -march=native -ffast-math -fopenmp" and record["torch"] == torch.__version__
+    assert fused.build_tag(record) == fused.build_tag() and len(fused.build_tag()) == 16
+    assert fused.build_tag({**record, "cpu_sha256": "0" * 64}) != fused.build_tag(), "another CPU: another build"
+
+
+@needs_cxx
+def test_the_kernel_built_at_install_is_imported_not_built(tmp_path, monkeypatch, fresh_kernel):
+    """With the extension built at install for this machine (setup.py -> build_prebuilt; `make install` puts it in
+    src/kvcert/hf/), kernel() builds nothing: no cpp_extension.load, no JIT folder."""
+    record = fused.PREBUILT_RECORD
+    if fused._recorded_tag(record) != fused.build_tag():  # not built at install here: build one the same way
+        record = fused.build_prebuilt(tmp_path / "pkg" / f"{fused.PREBUILT}{sysconfig.get_config_var('EXT_SUFFIX')}")
+    monkeypatch.setattr(fused, "PREBUILT_RECORD", record)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))
+    _refuse_builds(monkeypatch)
+    module = fused.kernel()
+    assert Path(module.__file__).parent == record.parent and Path(module.__file__).name.startswith("_decode_attention.")
+    assert not (tmp_path / "jit").exists()
+    test_kernel_matches_exact_attention_and_certificate(3, 64)  # the same numbers through the prebuilt binary
+
+
+def test_a_prebuilt_kernel_for_another_machine_falls_back_to_one_jit_build(tmp_path, monkeypatch, fresh_kernel):
+    """A record for another CPU (or torch, or source) is not used: kernel() builds just in time, into a folder named
+    by the tag alone, with the same flags, and marks it built."""
+    import torch.utils.cpp_extension as cpp
+
+    other = {**fused.build_record(), "cpu_sha256": "0" * 64}
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / f"{fused.PREBUILT}.json").write_text(json.dumps({**other, "tag": fused.build_tag(other)}))
+    (pkg / f"{fused.PREBUILT}{sysconfig.get_config_var('EXT_SUFFIX')}").write_bytes(b"built for another CPU")
+    monkeypatch.setattr(fused, "PREBUILT_RECORD", pkg / f"{fused.PREBUILT}.json")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "jit"))
+    calls = []
+    monkeypatch.setattr(cpp, "load", lambda **kwargs: calls.append(kwargs) or "the JIT module")
+    assert fused.kernel() == "the JIT module"
+    tag = fused.build_tag()
+    folder = tmp_path / "jit" / f"kvcert_decode_attention_{tag}"
+    assert [(c["name"], c["build_directory"]) for c in calls] == [(f"kvcert_decode_attention_{tag}", str(folder))]
+    assert calls[0]["extra_cflags"] == list(fused.CFLAGS) and calls[0]["extra_ldflags"] == list(fused.LDFLAGS)
+    assert json.loads((folder / fused.MARKER).read_text())["tag"] == tag
+
+
+@needs_cxx
+def test_a_finished_jit_build_is_imported_whichever_ninja_comes_first(tmp_path, monkeypatch, fresh_kernel):
+    """Once built, the JIT kernel is imported from its folder without running ninja: a system ninja 1.11 and the
+    venv's 1.13 discarded each other's build log (log versions), and each rebuilt for 40 s."""
+    monkeypatch.setattr(fused, "PREBUILT_RECORD", tmp_path / "no-install-build.json")
+    first = fused.kernel()  # built once per tag (or imported: built before)
+    fused.kernel.cache_clear()
+    _refuse_builds(monkeypatch)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ninja and no compiler at all
+    assert fused.kernel().__file__ == first.__file__

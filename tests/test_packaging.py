@@ -1,18 +1,24 @@
 """Installed, not only checked out: the wheel ships conf/ as package data (src/kvcert/conf links to ../../conf),
-the runner reads the packaged copy when there is no checkout, and a user's own config folder joins through Hydra's
-search path (`hydra.searchpath=[file:///path/to/my_conf]`)."""
+the runner reads the packaged copy when there is no checkout, a user's own config folder joins through Hydra's
+search path (`hydra.searchpath=[file:///path/to/my_conf]`), and a wheel built from a clone carries the compiled decode
+kernel (setup.py)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+
+from conftest import needs_cxx
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,17 +29,19 @@ def wheel(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
     project = tmp / "project"
     project.mkdir()
-    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "_decode_attention*")  # no kernel built in place
     shutil.copytree(ROOT / "src", project / "src", symlinks=True, ignore=ignore)  # keeps the conf link relative
     shutil.copytree(ROOT / "conf", project / "conf")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, project / name)
+    shutil.copy(ROOT / "setup.py", project / "setup.py")
     out = tmp / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(project), "--no-deps", "--no-build-isolation", "-q", "-w", str(out)],
         check=True,
         capture_output=True,
         timeout=300,
+        env={**os.environ, "KVCERT_BUILD_KERNEL": "0"},  # the configs only: the kernel's build has its own test
     )
     return next(out.glob("kvcert-*.whl"))
 
@@ -84,3 +92,47 @@ def test_a_checkout_reads_its_own_conf() -> None:
 
     assert config_dir() == ROOT / "conf"
     assert (ROOT / "src" / "kvcert" / "conf").resolve() == (ROOT / "conf").resolve()
+
+
+@pytest.mark.slow
+@needs_cxx
+def test_a_wheel_from_a_fresh_clone_carries_the_compiled_kernel(tmp_path: Path) -> None:
+    """`pip wheel --no-build-isolation --no-deps .` from a fresh clone compiles the decode kernel into the wheel
+    (setup.py), with the record of what it was built for; installed, kvcert imports it and builds nothing."""
+    from kvcert.hf import kernel
+
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a checkout")
+    clone, out, site = tmp_path / "clone", tmp_path / "dist", tmp_path / "site"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "KVCERT_BUILD_KERNEL"}
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-v", "-w", str(out), str(clone)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    wheel = zipfile.ZipFile(next(out.glob("kvcert-*.whl")))
+    names = set(wheel.namelist())
+    assert f"kvcert/hf/_decode_attention{sysconfig.get_config_var('EXT_SUFFIX')}" in names, sorted(names)[:20]
+    record = json.loads(wheel.read("kvcert/hf/_decode_attention.json"))
+    source = (clone / "src" / "kvcert" / "hf" / "csrc" / "decode_attention.cpp").read_bytes()
+    here = kernel.build_record()
+    assert record["source_sha256"] == hashlib.sha256(source).hexdigest()
+    assert (record["cflags"], record["ldflags"]) == (" ".join(kernel.CFLAGS), " ".join(kernel.LDFLAGS))
+    for key in ("cpu_sha256", "torch", "python"):  # built for this machine, this torch and this Python
+        assert record[key] == here[key], key
+    wheel.extractall(site)
+    probe = (
+        "import torch.utils.cpp_extension as c\n"
+        "def refuse(*a, **k): raise SystemExit('kernel() built the extension')\n"
+        "c.load = refuse\n"
+        "from kvcert.hf import kernel\n"
+        "print(kernel.kernel().__file__)\n"
+    )
+    env = {**env, "PYTHONPATH": str(site), "TORCH_EXTENSIONS_DIR": str(tmp_path / "jit")}
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert Path(run.stdout.strip()).parent == site / "kvcert" / "hf" and not (tmp_path / "jit").exists()
