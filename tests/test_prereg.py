@@ -142,3 +142,43 @@ def test_study2_lock_is_wider_and_records_package_versions(tree, monkeypatch):
     assert prereg.verify(tree, "study2")["deviations_recorded"]
     with pytest.raises(ValueError, match="unknown study"):
         prereg.verify(tree, "study9")
+
+
+def test_verify_prints_one_line_per_study_and_the_paths_on_request(tree):
+    """A deviating study's check is one line (how many items, whether all are recorded, where to read them), however
+    many files differ; an unrecorded file is named in it; --list prints every item, one per line, on stdout."""
+    assert _cli("lock", "--root", str(tree)).returncode == 0
+    edited = ["conf/claim/c1.yaml", "conf/claim/c2.yaml", "src/kvcert/analysis/coverage.py"]
+    for rel in edited:
+        (tree / rel).write_text("edited\n")
+    (tree / "src/kvcert/analysis/claims.py").unlink()
+    (tree / "src/kvcert/analysis/extra.py").write_text("Z = 3\n")
+    deviations = tree / "preregistration/DEVIATIONS.md"
+    recorded = [*edited, "src/kvcert/analysis/claims.py"]  # extra.py is left unrecorded
+    deviations.write_text(deviations.read_text() + f"\n### 2026-12-06 {' '.join(recorded)}\n- what: edits\n")
+
+    failed = _cli("verify", "--root", str(tree))
+    (line,) = failed.stderr.strip().splitlines()
+    assert failed.returncode == 1 and line.startswith("error: pre-registration (study1) deviates: 5 items differ")
+    assert "(3 changed, 1 missing, 1 added)" in line
+    assert "1 not recorded in preregistration/DEVIATIONS.md: src/kvcert/analysis/extra.py" in line
+    assert "conf/claim/c1.yaml" not in line and "verify --study study1 --list" in line
+
+    listed = _cli("verify", "--list", "--root", str(tree))
+    assert listed.stdout.splitlines() == [
+        "changed conf/claim/c1.yaml",
+        "changed conf/claim/c2.yaml",
+        "changed src/kvcert/analysis/coverage.py",
+        "missing src/kvcert/analysis/claims.py",
+        "added   src/kvcert/analysis/extra.py  NOT RECORDED",
+    ]
+    assert listed.returncode == 1 and len(listed.stderr.strip().splitlines()) == 1
+
+    deviations.write_text(deviations.read_text() + "\n### 2026-12-07 src/kvcert/analysis/extra.py\n- what: new\n")
+    allowed = _cli("verify", "--root", str(tree))
+    (line,) = allowed.stderr.strip().splitlines()
+    assert allowed.returncode == 0 and line.startswith("warning: pre-registration (study1) deviates: 5 items")
+    assert "all recorded in preregistration/DEVIATIONS.md" in line and "extra.py" not in line
+    assert (
+        _cli("verify", "--list", "--root", str(tree)).stdout.splitlines()[-1] == "added   src/kvcert/analysis/extra.py"
+    )

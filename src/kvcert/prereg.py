@@ -1,7 +1,7 @@
 """Pre-registration locks, one per study: hash what the study froze; detect changes.
 
     python -m kvcert.prereg lock [--study study1|study2|study3|study4] [--force] [--root DIR]
-    python -m kvcert.prereg verify [--study study1|study2|study3|study4] [--strict] [--root DIR]
+    python -m kvcert.prereg verify [--study study1|study2|study3|study4] [--strict] [--list] [--root DIR]
 
 Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs and the analysis code. Study 2
 (`preregistration/study2/`) locks everything that determines records or verdicts: its plan and predictions, all of
@@ -9,7 +9,9 @@ Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs
 files, and the installed versions of the packages that compute or ship the data (torch, transformers, the packaged
 model and text). Bytes are hashed as they are (no normalization), so any edit, including whitespace, is a
 deviation. A deviation is recorded by naming the file (or `package:<name>`) in the log section of the study's
-DEVIATIONS.md; verify reports whether every changed, missing or added item is named there.
+DEVIATIONS.md; verify reports whether every changed, missing or added item is named there, in one line per study (how
+many items differ, whether all are recorded, where to read them; an unrecorded one is named, since it fails the
+check), and with --list every item, one per line.
 
 Every study is also checked against the pinned environment, `requirements.lock` (what `make install` installs
 exactly): verify names each package whose installed version differs from the lock, with the fix (`make install`),
@@ -267,6 +269,32 @@ def verify(root: str | Path, study: str = "study1") -> dict:
     }
 
 
+def deviation_line(res: dict, study: str = "study1") -> str:
+    """One line for a deviating verify() result: how many items (files, `package:<name>`) differ, whether
+    DEVIATIONS.md records them all (the unrecorded ones named: they fail the check) and how to list them (a study's
+    list runs to ~130 paths, too many for the line that opens `make reproduce`)."""
+    spec = _study(study)
+    counts = [f"{len(res[k])} {k}" for k in ("changed", "missing", "added") if res[k]]
+    n = sum(len(res[k]) for k in ("changed", "missing", "added"))
+    head = f"pre-registration ({study}) deviates: {n} items differ from {spec.lock_path} ({', '.join(counts)})"
+    if res["deviations_recorded"]:
+        note = f"all recorded in {spec.deviations_path}"
+    else:
+        note = f"{len(res['unrecorded'])} not recorded in {spec.deviations_path}: {', '.join(res['unrecorded'])}"
+    return f"{head}, {note} (the list: python -m kvcert.prereg verify --study {study} --list)"
+
+
+def list_lines(res: dict) -> list[str]:
+    """verify --list: each changed, missing or added item, one per line ("changed src/x.py"), an item that
+    DEVIATIONS.md does not record marked NOT RECORDED."""
+    unrecorded = set(res.get("unrecorded", []))
+    return [
+        f"{kind:<8}{path}" + ("  NOT RECORDED" if path in unrecorded else "")
+        for kind in ("changed", "missing", "added")
+        for path in res[kind]
+    ]
+
+
 def _find_root(start: Path) -> Path:
     for p in (start, *start.parents):
         if (p / "pyproject.toml").is_file() or (p / "preregistration").is_dir():
@@ -287,6 +315,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--strict", action="store_true", help="verify: fail on any deviation, recorded or not")
     parser.add_argument(
+        "--list", action="store_true", help="verify: print every changed, missing or added item, one per line"
+    )
+    parser.add_argument(
         "--allow-environment-drift",
         action="store_true",
         help=f"verify: only warn when installed packages differ from {ENVIRONMENT_LOCK}",
@@ -306,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
 
     res = verify(root, args.study)
     where = _study(args.study).lock_path
+    if args.list:  # stdout, so that it can be piped; the one-line verdict below stays on stderr
+        print("\n".join(list_lines(res)) if res["status"] == "deviates" else f"no deviation ({res['status']})")
     drift = res["environment"]
     if drift:
         shown = "; ".join(drift[:5]) + (f"; and {len(drift) - 5} more" if len(drift) > 5 else "")
@@ -320,13 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if res["status"] == "unlocked":
         msg = f"pre-registration is not locked: {where} not found (run `make lock` after the pilot)"
     else:
-        parts = [f"{k}: {', '.join(res[k])}" for k in ("changed", "missing", "added") if res[k]]
-        note = (
-            "all recorded in DEVIATIONS.md"
-            if res["deviations_recorded"]
-            else f"not recorded in DEVIATIONS.md: {', '.join(res['unrecorded'])}"
-        )
-        msg = f"pre-registration deviates: {'; '.join(parts)} ({note})"
+        msg = deviation_line(res, args.study)
     # a deviation recorded in DEVIATIONS.md is allowed (the scorecard marks the run); an unrecorded one never is
     if res["status"] == "deviates" and res["deviations_recorded"] and not args.strict:
         print(f"warning: {msg}; continuing, the scorecard marks this run", file=sys.stderr)
