@@ -130,7 +130,9 @@ def example_rows(model, tokenizer, example, budgets: Sequence[float], *, model_n
     return rows
 
 
-def collect(model, tokenizer, examples, budgets: Sequence[float], out_dir, *, model_name: str, log=print) -> Path:
+def collect(
+    model, tokenizer, examples, budgets: Sequence[float], out_dir, *, model_name: str, r_max: int = MAX_DRAWS, log=print
+) -> Path:
     """Every example not yet in out_dir/answers.jsonl, appended as it finishes; returns the file."""
     from kvcert.studies.study4.collect import _append, _done
 
@@ -141,7 +143,7 @@ def collect(model, tokenizer, examples, budgets: Sequence[float], out_dir, *, mo
     todo = [e for e in examples if e.id not in done]
     started = time.perf_counter()
     for i, example in enumerate(todo):
-        _append(path, example_rows(model, tokenizer, example, budgets, model_name=model_name))
+        _append(path, example_rows(model, tokenizer, example, budgets, model_name=model_name, r_max=r_max))
         if log is not None:
             log(f"  {i + 1}/{len(todo)} {example.id} ({time.perf_counter() - started:.0f} s)")
     return path

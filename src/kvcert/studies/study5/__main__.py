@@ -1,0 +1,3 @@
+from kvcert.studies.study5.cli import main
+
+raise SystemExit(main())

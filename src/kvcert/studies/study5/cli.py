@@ -1,0 +1,121 @@
+"""Study 5's command line (preregistration/study5/PLAN.md):
+
+python -m kvcert.studies.study5 pilot --model smollm2|gemma3     the pilot's records (resumable)
+python -m kvcert.studies.study5 select                            the pilot rule -> preregistration/study5/design.yaml
+python -m kvcert.studies.study5 run --model smollm2|gemma3        the confirmatory records (after the lock; resumable)
+python -m kvcert.studies.study5 analyze [--partial]               claims, tables and report
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from kvcert.studies.study5.common import (
+    BUDGETS,
+    LENGTHS,
+    MAX_DRAWS,
+    MODELS,
+    PILOT_N_PER_CELL,
+    PILOT_SEED,
+    PREREG,
+    RESULTS,
+    SEED,
+    examples_for,
+    task_grid,
+)
+
+
+def _model(tag: str):
+    import torch
+
+    from kvcert.hf import load_model
+
+    if tag not in MODELS:
+        raise SystemExit(f"study5: unknown model {tag!r}; choose one of {', '.join(MODELS)}")
+    torch.set_num_threads(1)
+    return load_model(MODELS[tag])
+
+
+def pilot(tag: str, root: Path = Path(".")) -> Path:
+    """The pilot's records of one model (section 3), resumable."""
+    from kvcert.studies.study5.collect import collect
+
+    model, tokenizer = _model(tag)
+    examples = examples_for(task_grid(tag, root), LENGTHS, PILOT_N_PER_CELL, PILOT_SEED, tokenizer)
+    print(f"study5 pilot {tag}: {len(examples)} examples, budgets {BUDGETS}, {MAX_DRAWS} draws + split halves")
+    out = root / RESULTS / "pilot" / tag
+    return collect(model, tokenizer, examples, BUDGETS, out, model_name=MODELS[tag], r_max=MAX_DRAWS)
+
+
+def select(root: Path = Path(".")) -> dict:
+    """Section 3's rule on both models' pilot records -> design.yaml."""
+    from kvcert.studies.study5.common import load_rows
+    from kvcert.studies.study5.pilot import choose
+
+    frames = {tag: load_rows(root / RESULTS / "pilot" / tag / "answers.jsonl") for tag in MODELS}
+    choice = choose(frames)
+    design = dict(
+        seed=SEED,
+        lengths=list(LENGTHS),
+        budgets=list(BUDGETS),
+        variant=choice["variant"],
+        draws=choice["draws"],
+        form=choice["form"],
+        pilot=choice["report"],
+        models={
+            tag: dict(
+                model=MODELS[tag],
+                tasks=task_grid(tag, root),
+                n_per_cell=choice["n_per_cell"][tag],
+            )
+            for tag in MODELS
+        },
+    )
+    (root / PREREG / "design.yaml").write_text(yaml.safe_dump(design, sort_keys=False))
+    return design
+
+
+def run(tag: str, root: Path = Path(".")) -> Path:
+    """The confirmatory records of one model (after the lock), resumable."""
+    from kvcert.studies.study5.collect import collect
+
+    if not (root / PREREG / "LOCK.json").is_file():
+        raise SystemExit(
+            "study5: preregistration/study5/LOCK.json is missing: lock the study first (make lock STUDY=study5)"
+        )
+    design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
+    model, tokenizer = _model(tag)
+    spec = design["models"][tag]
+    examples = examples_for(spec["tasks"], design["lengths"], int(spec["n_per_cell"]), int(design["seed"]), tokenizer)
+    r_max = int(design["draws"]) if design["variant"] == "independent" else 2
+    print(f"study5 {tag}: {len(examples)} examples, budgets {design['budgets']}, {r_max} draws + split halves")
+    return collect(
+        model, tokenizer, examples, design["budgets"], root / RESULTS / tag, model_name=MODELS[tag], r_max=r_max
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvcert.studies.study5", description="Study 5: draws that disagree")
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("pilot", "run"):
+        s = sub.add_parser(name)
+        s.add_argument("--model", required=True, choices=sorted(MODELS))
+    sub.add_parser("select")
+    a = sub.add_parser("analyze")
+    a.add_argument("--partial", action="store_true", help="an interim report on incomplete records (no claims)")
+    args = p.parse_args(argv)
+    if args.command == "pilot":
+        print(f"wrote {pilot(args.model)}")
+    elif args.command == "select":
+        design = select()
+        print(yaml.safe_dump({k: design[k] for k in ("variant", "draws", "form")}), end="")
+    elif args.command == "run":
+        print(f"wrote {run(args.model)}")
+    else:
+        from kvcert.studies.study5.analysis import analyze
+
+        analyze(partial=args.partial)
+    return 0
