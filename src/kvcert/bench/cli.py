@@ -17,8 +17,9 @@ import torch
 
 from kvcert.bench.child import bench_threads
 from kvcert.bench.common import DEFAULT_MODEL, FULL_CONFIG, QUICK_CONFIG, BenchConfig, load, median, no_eos, sync
+from kvcert.bench.figures import plot_roofline, plot_scaling
 from kvcert.bench.measure import bench_attention_only, bench_decode, bench_examples, bench_prefill
-from kvcert.bench.report import md_table, plot_roofline, plot_scaling, scaling_exponents, write_markdown
+from kvcert.bench.report import md_table, scaling_exponents, write_markdown
 from kvcert.bench.roofline import bench_roofline
 
 HEADLINE_CONFIG = "certificate+oracle"  # what the runner decodes with (`DecodeOptions()`)
