@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 
 from kvcert.analysis.bootstrap import bootstrap_many, paired_difference, weighted_mean
+from kvcert.analysis.tables import markdown_table
 
 ROOT = Path(__file__).resolve().parents[3]
 RESULTS = ROOT / "results" / "study4"
@@ -249,9 +250,8 @@ def _fmt(v: object, digits: int) -> str:
 
 
 def md_table(rows: list[dict], columns: Sequence[str], digits: int = 1) -> str:
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
-    lines += ["| " + " | ".join(_fmt(r[c], digits) for c in columns) + " |" for r in rows]
-    return "\n".join(lines)
+    cells = pd.DataFrame([[_fmt(r[c], digits) for c in columns] for r in rows], columns=list(columns))
+    return markdown_table(cells, parse_numbers=False)
 
 
 def _ci(d: dict, digits: int = 1) -> str:
