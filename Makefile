@@ -12,7 +12,7 @@ PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.7.0
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock-deps regenerate-check gpu-check kvpress-check test test-fast lint smoke run pilot pilot-study3 lock verify-lock reproduce study3 study4 analyze bench cluster-check clean
+.PHONY: help install lock-deps regenerate-check gpu-check kvpress-check test test-fast lint smoke run pilot pilot-study3 lock verify-lock reproduce study3 study4 study5 analyze bench cluster-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -76,7 +76,7 @@ pilot-study3: $(STAMP) ## study 3's pilot (seeds 3000+, both models, resumable) 
 	$(PY) -m kvcert.studies.pilot3 run
 	$(PY) -m kvcert.studies.pilot3 select
 
-lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=study1 | study2 | study3 | study4)
+lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=study1 | study2 | study3 | study4 | study5)
 	$(PY) -m kvcert.prereg lock --study $(STUDY)
 
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
@@ -119,6 +119,12 @@ study4: $(STAMP) ## study 4 (an actionable certificate): both models side by sid
 	$(PY) -m kvcert.studies.study4 run --model smollm2 & pid=$$!; \
 	$(PY) -m kvcert.studies.study4 run --model gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
 	$(PY) -m kvcert.studies.study4 analyze
+
+study5: $(STAMP) ## study 5 (draws that disagree): both models side by side (one core each, resumable) -> claims and report
+	$(PY) -m kvcert.prereg verify --study study5
+	$(PY) -m kvcert.studies.study5 run --model smollm2 & pid=$$!; \
+	$(PY) -m kvcert.studies.study5 run --model gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
+	$(PY) -m kvcert.studies.study5 analyze
 
 analyze: $(STAMP) ## recompute every study's tables, figures and the scorecard from the published records (under a minute, no model)
 	$(PY) -m kvcert.reproduce analyze --study all

@@ -1,7 +1,7 @@
 """Pre-registration locks, one per study: hash what the study froze; detect changes.
 
-    python -m kvcert.prereg lock [--study study1|study2|study3|study4] [--force] [--root DIR]
-    python -m kvcert.prereg verify [--study study1|study2|study3|study4] [--strict] [--list] [--root DIR]
+    python -m kvcert.prereg lock [--study study1|study2|study3|study4|study5] [--force] [--root DIR]
+    python -m kvcert.prereg verify [--study study1|study2|study3|study4|study5] [--strict] [--list] [--root DIR]
 
 Study 1 (`preregistration/`) locked the predictions, the plan, the claim configs and the analysis code. Study 2
 (`preregistration/study2/`) locks everything that determines records or verdicts: its plan and predictions, all of
@@ -128,6 +128,20 @@ STUDIES["study4"] = Study(
         "src/kvcert/serve/*.py",
         "src/kvcert/serve/calibrations/*.json",
     ),
+    STUDIES["study2"].packages,
+)
+# Study 5 (preregistration/study5/PLAN.md): study 4's hash list plus its own modules, its pilot-chosen design and the
+# environment's lock file.
+STUDIES["study5"] = Study(
+    "preregistration/study5",
+    (
+        "preregistration/study5/PLAN.md",
+        "preregistration/study5/predictions_smollm2.yaml",
+        "preregistration/study5/predictions_gemma3.yaml",
+        "preregistration/study5/design.yaml",
+        ENVIRONMENT_LOCK,
+    ),
+    (*STUDIES["study4"].globs, "src/kvcert/studies/study5/*.py"),
     STUDIES["study2"].packages,
 )
 
