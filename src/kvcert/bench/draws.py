@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvcert.bench.common import DEFAULT_MODEL, StepTimer, load, no_eos, synthetic_prompt
+from kvcert.records import cpu_model
 
 CONFIGS = ("one draw", "split halves", "2 draws", "4 draws")
 
@@ -33,16 +33,6 @@ def _rows(name: str, budget: float):
         return [policy], {}
     draws = Draws(variant="split") if name == "split halves" else Draws(count=int(name.split()[0]))
     return draw_policies(policy, draws)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def measure(model, ids: list[int], qs: int, steps: int, reps: int, budget: float = 0.5) -> dict[str, dict]:
@@ -93,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     model, _ = load(args.model, "cpu", "float32")
     ids, qs = synthetic_prompt(model, args.tokens)
     res = measure(model, ids, qs, args.steps, args.reps)
-    cpu = cpu_name()
+    cpu = cpu_model()
     import pandas as pd
 
     table = pd.DataFrame([dict(config=k, **v) for k, v in res.items()]).round(3)
