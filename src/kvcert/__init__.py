@@ -17,18 +17,31 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "Calibration": "kvcert.serve",
     "CalibrationError": "kvcert.serve",
+    "Draws": "kvcert.hf.draws",  # generate(draws=Draws(...)): several draws of the policy and their agreement
     "Escalation": "kvcert.serve",
     "Generation": "kvcert.serve",
     "Policy": "kvcert.policy",
+    "RateEscalator": "kvcert.serve",
     "generate": "kvcert.serve",
     "load_model": "kvcert.hf.loading",  # the same object as kvcert.hf.load_model
 }
-__all__ = ["Calibration", "CalibrationError", "Escalation", "Generation", "Policy", "generate", "load_model"]
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "Draws",
+    "Escalation",
+    "Generation",
+    "Policy",
+    "RateEscalator",
+    "generate",
+    "load_model",
+]
 
 if TYPE_CHECKING:
+    from kvcert.hf.draws import Draws
     from kvcert.hf.loading import load_model
     from kvcert.policy import Policy
-    from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, generate
+    from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, RateEscalator, generate
 
 
 def __getattr__(name: str):

@@ -16,7 +16,7 @@ server that stores the shared head once holds, which is what `kvcert.generate` r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvcert.core import agreement
 from kvcert.hf.decode import VariantResult
@@ -45,6 +45,15 @@ class Draws:
         return f"{self.variant}x{self.count}"
 
 
+def as_draws(value: Draws | int | None) -> Draws | None:
+    """`generate(draws=...)`'s argument: None (one draw), an int R (R independent draws) or a Draws as given."""
+    if value is None or isinstance(value, Draws):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"draws={value!r}: pass None (one draw), an int >= 2 (independent draws) or a Draws")
+    return Draws(count=value)
+
+
 def draw_policies(policy: Policy, draws: Draws) -> tuple[list[Policy], dict[int, int]]:
     """The rows to decode (draw 0 first) and who follows whom (row -> 0)."""
     if not policy.has_certificate or policy.design != "randomized" or policy.half is not None:
@@ -65,6 +74,8 @@ class Agreement:
     confidence: float  # minus draw 0's lowest log-probability over the same span
     span: tuple[int, int]  # the scored token positions [lo, hi)
     logprobs: list[list[float]]  # per other row, the log-probability of each of draw 0's tokens
+    drops: list[float] = field(default_factory=list)  # per other row, its max_t log p_0(a_t) - log p_r(a_t)
+    row_differs: list[bool] = field(default_factory=list)  # per other row, whether its own greedy answer differs
 
     def as_dict(self) -> dict:
         return dict(
@@ -73,6 +84,8 @@ class Agreement:
             confidence=self.confidence,
             span=list(self.span),
             logprobs=[list(map(float, lp)) for lp in self.logprobs],
+            drops=list(map(float, self.drops)),
+            row_differs=list(map(bool, self.row_differs)),
         )
 
 
@@ -89,6 +102,8 @@ def agreement_of(leader: VariantResult, followers: list[VariantResult]) -> Agree
         confidence=agreement.confidence(leader.logprobs, span),
         span=(span.start, span.stop),
         logprobs=[f.logprobs for f in followers],
+        drops=[agreement.disagreement(leader.logprobs, [f.logprobs], span) for f in followers],
+        row_differs=[agreement.differs(leader.tokens, [f.own_tokens], span) == 1.0 for f in followers],
     )
 
 

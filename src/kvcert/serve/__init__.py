@@ -1,9 +1,11 @@
 """Certified generation for a user's prompt: `generate` (one prompt, a compressed cache, a calibrated certificate per
-token, optional escalation), `Calibration` (`kvcert calibrate`), the per-token certificate, and the HTML view."""
+token, optional escalation, optional draws and their agreement), `RateEscalator` (a share of a stream's answers),
+`Calibration` (`kvcert calibrate`), the per-token certificate, and the HTML view."""
 
 from typing import TYPE_CHECKING
 
 from kvcert.serve.calibration import Calibration, CalibrationError
+from kvcert.serve.escalator import RateEscalator
 from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Escalation, Generation, Token, default_policy, generate
 
 if TYPE_CHECKING:
@@ -34,6 +36,7 @@ __all__ = [
     "Escalated",
     "Escalation",
     "Generation",
+    "RateEscalator",
     "Token",
     "default_policy",
     "generate",

@@ -5,7 +5,7 @@ the oracle on, the multipliers, the held-out report) is `kvcert.serve.calibratio
 re-exported here.
 
     kvcert calibrate --model smollm2-135m-instruct [--tasks single_needle,fact_qa | --data file.jsonl] \
-        [--budgets 0.25,0.5] [--n 20] [--seed 5000] --out calib.json
+        [--budgets 0.25,0.5] [--n 20] [--seed 5000] [--draws 2 [--draws-variant split]] --out calib.json
 """
 
 from __future__ import annotations
@@ -15,11 +15,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcert.serve.calibration_fit import DEFAULT_RATES, calibration_fields, collect, describe, fit, token_scores
 from kvcert.serve.certificate import LEVEL
+
+if TYPE_CHECKING:
+    from kvcert.hf.draws import Draws
 
 FORMAT = "kvcert-calibration/1"
 DEFAULT_SEED = 5000  # calibration examples; the escalation study uses 6000 onwards
@@ -49,6 +53,11 @@ class Calibration:
     # cache-induced failure: name ("probe", "combined") -> {"features", "mean", "scale", "coef", "intercept"}
     signal_thresholds: dict[str, dict[str, float]] = field(default_factory=dict)
     models: dict[str, dict] = field(default_factory=dict)
+    # answer-level signals' thresholds per budget (signal -> budget -> rate -> threshold; today "agreement", whose
+    # score falls with the budget as the certificate's does), used for a budget they hold
+    signal_budget_thresholds: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    # the draws the agreement thresholds were fitted with ({"count": R, "variant": ...}; {}: fitted without draws)
+    draws: dict = field(default_factory=dict)
     data: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
     format: str = FORMAT
@@ -92,16 +101,28 @@ class Calibration:
             return f"it was fitted for budgets {lo:g}-{hi:g}, not {budget:g}"
         return None
 
+    def draws_mismatch(self, draws: Draws | None) -> str | None:
+        """Why the agreement thresholds do not apply to `draws` (a kvcert.hf.draws.Draws): they were fitted with
+        other draws (the disagreement of 2 draws and of 4, or of split halves, are different scores); None when
+        they do."""
+        mine = {"count": draws.count, "variant": draws.variant} if draws is not None else {}
+        if self.draws == mine:
+            return None
+        fitted = f"{self.draws.get('count')} {self.draws.get('variant')} draws" if self.draws else "no draws"
+        asked = f"{draws.count} {draws.variant} draws" if draws is not None else "none"
+        return f"they were fitted with {fitted}, the request has {asked}"
+
     def multiplier_tensor(self) -> torch.Tensor:
         return torch.tensor([math.nan if m is None else m for m in self.multipliers], dtype=torch.float64)
 
     def signal_threshold(self, signal: str, rate: float, budget: float | None = None) -> float:
-        """The threshold of an answer-level signal ("certificate", "probe", "combined") that escalates a share
-        `rate` of answers (the nearest fitted rate); for the certificate, the budget's own table when the file has
-        one for `budget`."""
+        """The threshold of an answer-level signal ("certificate", "probe", "combined", "agreement") that escalates
+        a share `rate` of answers (the nearest fitted rate); the budget's own table when the file has one for
+        `budget` (the certificate's `budget_thresholds`, the others' `signal_budget_thresholds`)."""
         if signal == "certificate":
             return self.threshold(rate, budget)
-        table = self.signal_thresholds.get(signal)
+        by_budget = self.signal_budget_thresholds.get(signal, {})
+        table = (by_budget.get(f"{budget:g}") if budget is not None else None) or self.signal_thresholds.get(signal)
         if not table:
             raise CalibrationError(f"this calibration file has no {signal} thresholds: rerun `kvcert calibrate`")
         nearest = min(table, key=lambda r: abs(float(r) - rate))
@@ -148,7 +169,8 @@ def shipped(model: str) -> Calibration | None:
 
 def calibrate(model, tokenizer, model_name: str, examples, **kwargs) -> Calibration:
     """Collect and fit (`kvcert.serve.calibration_fit.calibration_fields`, which takes policy_fields=, budgets=,
-    data= and optionally split_seed=, prompt_format=, work_dir=, log=): the calibration `kvcert calibrate` saves."""
+    data= and optionally split_seed=, prompt_format=, work_dir=, log=, draws=: a kvcert.hf.draws.Draws also fits
+    the agreement signal's thresholds per budget): the calibration `kvcert calibrate` saves."""
     return Calibration(**calibration_fields(model, tokenizer, model_name, examples, **kwargs))
 
 

@@ -32,32 +32,54 @@ import torch
 from kvcert.serve.certificate import LEVEL, REDUCTIONS, token_certificate
 
 if TYPE_CHECKING:  # describe reads a Calibration; the class imports this module, so not at run time
+    from kvcert.hf.draws import Draws
     from kvcert.serve.calibration import Calibration
 
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
 
 
 # ----------------------------------------------------------------------------------------------- the data
+def _rows(policies, draws: Draws | None) -> tuple[list, list[int], dict[int, list[int]]]:
+    """The rows to decode (the full cache first), each policy's row (its draw 0) and, with draws, the rows that
+    follow it (its other draws, fed its tokens: kvcert.hf.draws)."""
+    from kvcert.hf import FULL
+    from kvcert.hf.draws import draw_policies
+
+    rows, leads, followers = [FULL], [], {}
+    for policy in policies:
+        drawn, follow = draw_policies(policy, draws) if draws is not None else ([policy], {})
+        leads.append(len(rows))
+        followers[len(rows)] = [len(rows) + r for r in follow]
+        rows += drawn
+    return rows, leads, followers
+
+
 def collect(
-    model, tokenizer, examples, policies, *, prompt_format: str = "auto", log=print
+    model, tokenizer, examples, policies, *, prompt_format: str = "auto", log=print, draws: Draws | None = None
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Decode every example with the full cache and each policy, oracle on: (answers, cells).
 
-    answers: example_id, task, budget, correct, full_correct, n_answer, token_max_{reduction} (filled by `fit`);
+    answers: example_id, task, budget, correct, full_correct, n_answer, token_max_{reduction} (filled by `fit`),
+    and with draws (a kvcert.hf.draws.Draws) the draws' disagreement and differs about each policy's answer (its
+    other draws decoded in the same batch, fed its tokens: its own tokens and statistics are those without them);
     cells: example_id, budget, step, layer, head, error, variance, trace_c2, out_norm, tail_mass."""
-    from kvcert.hf import FULL, DecodeOptions, generate_variants, probe_prompt
+    from kvcert.hf import DecodeOptions, generate_variants, probe_prompt
+    from kvcert.hf.draws import agreement_of
     from kvcert.serve.probe import probe_error
     from kvcert.tasks import render, score
 
     answers, cells = [], []
+    rows, leads, followers = _rows(policies, draws)
+    follow = {f: lead for lead, fol in followers.items() for f in fol} or None
     started = time.perf_counter()
     for i, example in enumerate(examples):
         prompt = render(example, tokenizer, prompt_format)
         opts = DecodeOptions(max_new_tokens=24, stop_strings=prompt.stop_strings, oracle=True, certificate=True)
-        full, *results = generate_variants(model, tokenizer, prompt, [FULL, *policies], opts)
+        decoded = generate_variants(model, tokenizer, prompt, rows, opts, follow=follow)
+        full, results = decoded[0], [decoded[j] for j in leads]
         full_correct = score(full.answer, example)[1]
         probes = probe_prompt(model, prompt, policies, DecodeOptions(max_new_tokens=1, oracle=False))
-        for r, probe in zip(results, probes):
+        for lead, r, probe in zip(leads, results, probes):
             answers.append(
                 dict(
                     example_id=example.id,
@@ -70,6 +92,9 @@ def collect(
                     probe_error=probe_error(probe),
                 )
             )
+            if draws is not None:
+                agree = agreement_of(r, [decoded[j] for j in followers[lead]])
+                answers[-1].update(disagreement=agree.disagreement, differs=agree.differs)
             n = r.n_answer
             if n == 0 or "error" not in r.stats:
                 continue
@@ -195,13 +220,19 @@ def fit(
     }
     budget_thresholds = {b: table for b, table in budget_thresholds.items() if table}
     report["held_out_escalation_rate"] = {r: float((test_scores > t).mean()) for r, t in thresholds.items()}
-    models, signal_thresholds = {}, {}
+    models, signal_thresholds, signal_budget_thresholds = {}, {}, {}
     if {"probe_error", "logprob"} <= set(answers.columns):  # collections made before the probe lack them
         from kvcert.serve.signals import fit_signals
 
         signals = fit_signals(answers.assign(certificate=answers[f"cert_{chosen}"]), cal_ids, test_ids, rates)
         models, signal_thresholds = signals["models"], signals["signal_thresholds"]
         report.update(signals["report"])
+    if "disagreement" in answers.columns:  # collected with draws: the agreement signal, per budget as the certificate
+        pooled = _rate_thresholds(cal_answers["disagreement"], rates)
+        if pooled:
+            signal_thresholds["agreement"] = pooled
+        per_budget = {f"{b:g}": _rate_thresholds(g["disagreement"], rates) for b, g in cal_answers.groupby("budget")}
+        signal_budget_thresholds["agreement"] = {b: table for b, table in per_budget.items() if table}
     return dict(
         multipliers=multipliers,
         reduction=chosen,
@@ -211,6 +242,7 @@ def fit(
         answers=answers,
         models=models,
         signal_thresholds=signal_thresholds,
+        signal_budget_thresholds=signal_budget_thresholds,
     )
 
 
@@ -228,26 +260,31 @@ def calibration_fields(
     prompt_format: str = "auto",
     work_dir: str | Path | None = None,
     log=print,
+    draws: Draws | None = None,
 ) -> dict:
-    """Collect (or reuse work_dir's answers.parquet / cells.parquet of an earlier collection) and fit: the fields of
-    the `Calibration` that `kvcert.serve.calibration.calibrate` builds from them."""
+    """Collect (or reuse work_dir's answers.parquet / cells.parquet of an earlier collection with the same draws)
+    and fit: the fields of the `Calibration` that `kvcert.serve.calibration.calibrate` builds from them. draws (a
+    kvcert.hf.draws.Draws, or None): also collect and fit the agreement signal's thresholds."""
     from kvcert.policy import Policy
 
     policies = [Policy(**policy_fields, budget=b) for b in budgets]
+    drawn = {"count": draws.count, "variant": draws.variant} if draws is not None else {}
     saved = Path(work_dir) if work_dir is not None else None
-    if saved is not None and (saved / "cells.parquet").is_file():
+    timing = saved / "collect.json" if saved is not None else None
+    earlier = json.loads(timing.read_text()) if timing is not None and timing.is_file() else {}
+    if saved is not None and (saved / "cells.parquet").is_file() and earlier.get("draws", {}) == drawn:
         answers, cells = pd.read_parquet(saved / "answers.parquet"), pd.read_parquet(saved / "cells.parquet")
-        timing = saved / "collect.json"
-        collect_s = json.loads(timing.read_text())["collect_s"] if timing.is_file() else None
+        collect_s = earlier.get("collect_s")
     else:
         started = time.perf_counter()
-        answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log)
+        answers, cells = collect(model, tokenizer, examples, policies, prompt_format=prompt_format, log=log,
+                                 draws=draws)  # fmt: skip
         collect_s = round(time.perf_counter() - started)
         if saved is not None:
             saved.mkdir(parents=True, exist_ok=True)
             answers.to_parquet(saved / "answers.parquet")
             cells.to_parquet(saved / "cells.parquet")
-            (saved / "collect.json").write_text(json.dumps({"collect_s": collect_s}) + "\n")
+            timing.write_text(json.dumps({"collect_s": collect_s, "draws": drawn}) + "\n")
     n_layers = int(model.config.num_hidden_layers)
     res = fit(answers, cells, n_layers=n_layers, split_seed=split_seed)
     full_acc = answers.drop_duplicates("example_id")["full_correct"].mean()
@@ -264,6 +301,8 @@ def calibration_fields(
         budget_thresholds=res["budget_thresholds"],
         budget_thresholds_source="kvcert calibrate: the calibration half's answers at each budget",
         signal_thresholds=res["signal_thresholds"],
+        signal_budget_thresholds=res["signal_budget_thresholds"],
+        draws=drawn,
         models=res["models"],
         data={**data, "n_examples": len(examples), "split_seed": split_seed, "collect_s": collect_s},
         report=res["report"],
@@ -288,6 +327,15 @@ def describe(cal: Calibration) -> str:
         "  escalation thresholds (rate: threshold, held-out rate): "
         + ", ".join(f"{k}: {v:.3g} ({r['held_out_escalation_rate'][k]:.2f})" for k, v in cal.thresholds.items()),
     ]
+    if "agreement" in cal.signal_thresholds:
+        lines.append(
+            f"  agreement thresholds ({cal.draws.get('count')} {cal.draws.get('variant')} draws; budget: rate: "
+            "threshold): "
+            + "; ".join(
+                f"{b}: " + ", ".join(f"{k}: {v:.3g}" for k, v in table.items())
+                for b, table in cal.signal_budget_thresholds.get("agreement", {}).items()
+            )
+        )
     if "signal_auroc" in r:
         lines.append(
             "  held-out AUROC of each answer-level signal for cache-induced failures: "

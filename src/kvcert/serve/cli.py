@@ -2,9 +2,10 @@
 
     kvcert generate --model smollm2 --context-file doc.txt --question "Who wrote it?" --budget 0.25 \
         [--max-new-tokens 64] [--calibration FILE|none] [--escalate auto|0.1|none] [--escalate-scope answer|token] \
+        [--escalate-signal certificate|agreement] [--draws 2 [--draws-variant independent|split]] \
         [--tolerance 0.1 [--ladder 0.125,0.25,0.5,1]] [--json out.json] [--html out.html]
     kvcert calibrate --model smollm2 [--tasks single_needle,fact_qa | --data file.jsonl] [--lengths 1024] [--n 20] \
-        [--budgets 0.25,0.5] [--seed 5000] --out calib.json
+        [--budgets 0.25,0.5] [--seed 5000] [--draws 2 [--draws-variant independent|split]] --out calib.json
 
 Bad input (a missing file, an empty context or question, a budget outside (0, 1], a model the loader cannot load, a
 prompt past the model's window or one the tokenizer cannot read back, a calibration for another model or policy) is
@@ -107,20 +108,41 @@ def _calibration_arg(text: str | None, model_name: str, budget: float):
     return text
 
 
-def _escalate_arg(text: str | None, scope: str = "answer"):
+def _escalate_arg(text: str | None, scope: str = "answer", signal: str = "certificate", draws=None):
     from kvcert.serve.generate import AUTO, Escalation
 
-    if text is None or text.lower() == AUTO:
-        return AUTO  # generate's default: study 4's answer-level certificate escalation where a calibration applies
-    if text.lower() == "none":
+    if text is not None and text.lower() == "none":
         return None
+    if signal == "agreement" and draws is None:
+        raise UsageError("--escalate-signal agreement needs several draws; pass --draws 2")
+    if signal == "agreement" and scope != "answer":
+        raise UsageError("--escalate-signal agreement scores the whole answer; pass --escalate-scope answer")
+    if text is None or text.lower() == AUTO:
+        if signal == "agreement":  # auto is study 4's certificate rule: the agreement needs its rate
+            raise UsageError("--escalate-signal agreement needs a rate; pass --escalate 0.2 (auto: the certificate)")
+        return AUTO  # generate's default: study 4's answer-level certificate escalation where a calibration applies
     try:
         rate = float(text)
     except ValueError:
         raise UsageError(f"--escalate {text!r} is not a valid value; pass {ESCALATE_CHOICES}") from None
     if not 0.0 < rate < 1.0:
         raise UsageError(f"--escalate {rate:g} is outside (0, 1); pass {ESCALATE_CHOICES}")
-    return Escalation(rate=rate, scope=scope)
+    return Escalation(rate=rate, scope=scope, signal=signal)
+
+
+def _draws_arg(count: str | None, variant: str | None):
+    """--draws / --draws-variant -> a kvcert.hf.draws.Draws, or None (one draw); split alone means its 2 rows."""
+    from kvcert.hf.draws import Draws
+
+    if count is None:
+        return None if variant is None else Draws(count=2, variant=variant)
+    n = int(count) if count.strip().isdigit() else None
+    if n is None or n < 2:
+        fix = "pass --draws 2 (or leave --draws out for one draw)"
+        raise UsageError(f"--draws {count}: agreement needs a whole number of draws, at least 2; {fix}")
+    if variant == "split" and n != 2:
+        raise UsageError(f"--draws {n} with --draws-variant split: the split halves are 2 rows; pass --draws 2")
+    return Draws(count=n, variant=variant or "independent")
 
 
 def _tolerance_args(tolerance: str | None, ladder: str) -> tuple[float | None, tuple[float, ...]]:
@@ -203,7 +225,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     model_name = _model_name(args.model)
     calibration = _calibration_arg(args.calibration, model_name, budget)
-    escalate = _escalate_arg(args.escalate, args.escalate_scope)
+    draws = _draws_arg(args.draws, args.draws_variant)
+    escalate = _escalate_arg(args.escalate, args.escalate_scope, args.escalate_signal, draws)
     tolerance, ladder = _tolerance_args(args.tolerance, args.ladder)
     if escalate is not None and not isinstance(escalate, str) and calibration is None:  # a rate given
         raise UsageError("--escalate needs a calibration (its threshold); drop --calibration none or --escalate")
@@ -241,6 +264,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             tolerance=tolerance,
             ladder=ladder,
             answer_prefix=args.answer_prefix,
+            draws=draws,
         )
     except ValueError as err:  # validate_request, CalibrationError, TaskError, the prompt-length check
         print(flush=True)
@@ -308,6 +332,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if not args.length_list or min(args.length_list) < 1:
             raise UsageError(f"--lengths {args.lengths!r} needs positive token counts; pass e.g. 1024")
     out = _writable(args.out, "--out")
+    draws = _draws_arg(args.draws, args.draws_variant)
     model_name = _model_name(args.model)
 
     import torch
@@ -337,6 +362,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         data=data,
         prompt_format=fmt,
         work_dir=args.work_dir,
+        draws=draws,
     )
     cal.data["wall_s"] = round(time.perf_counter() - started)
     cal.save(out)

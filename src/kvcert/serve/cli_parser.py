@@ -52,6 +52,16 @@ def _generate_parser(sub) -> None:
         "that crossed (default %(default)s)",
     )
     g.add_argument(
+        "--escalate-signal",
+        default="certificate",
+        choices=["certificate", "agreement"],
+        help="what --escalate RATE reads: certificate (the answer's largest certificate) or agreement (the draws' "
+        "disagreement about the answer; needs --draws and a calibration fitted with the same draws) "
+        "(default %(default)s)",
+    )
+    _draws_arguments(g, "decode N draws of the policy as rows of one batch from one read; the answer is draw 0's "
+                     "and the others report how far they agree with it (default: one draw)")  # fmt: skip
+    g.add_argument(
         "--tolerance",
         default=None,
         help="choose the smallest budget of --ladder whose prefill probe error (relative attention error) is within "
@@ -64,6 +74,17 @@ def _generate_parser(sub) -> None:
     g.add_argument("--html", default=None, help="write the self-contained HTML view here")
     g.add_argument("--seed", type=int, default=0, help="seed of the randomized design's draws (default %(default)s)")
     g.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+
+
+def _draws_arguments(parser, what: str) -> None:
+    parser.add_argument("--draws", default=None, metavar="N", help=f"{what}; N >= 2")
+    parser.add_argument(
+        "--draws-variant",
+        default=None,
+        choices=["independent", "split"],
+        help="independent: N draws of the policy; split: one draw's tail split in two halves (2 rows, no more KV "
+        "than one draw; --draws may be left out) (default: independent)",
+    )
 
 
 def _calibrate_parser(sub) -> None:
@@ -85,6 +106,8 @@ def _calibrate_parser(sub) -> None:
         default=5000,
         help="make_examples seed (5000 on: disjoint from the studies; default %(default)s)",
     )
+    _draws_arguments(c, "also fit the agreement signal's thresholds per budget, from N draws of the policy "
+                     "decoded with each (default: no draws, no agreement thresholds)")  # fmt: skip
     c.add_argument("--out", required=True, help="the calibration file to write")
     c.add_argument("--work-dir", default=None, help="keep (and reuse) the collected data here")
     c.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

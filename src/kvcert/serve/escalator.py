@@ -37,8 +37,12 @@ Rules (why each is what it is):
   would then escalate too few for as long), and it winds up on long streams; the window quantile already holds the
   rate within 1 / (n + 1) plus sampling noise.
 
-`state()` is a JSON-able dict (the window, counts and the tie generator's state) and `from_state` rebuilds an
-escalator that continues identically, so a server can persist it across restarts. Plain Python: no torch.
+`state()` is a JSON-able dict (the window, counts, the tie generator's state and the signal) and `from_state`
+rebuilds an escalator that continues identically, so a server can persist it across restarts. Plain Python: no torch.
+
+`signal` names the answer-level score `kvcert.generate(..., escalate=RateEscalator(...))` feeds it, once per answer
+it could restart: "certificate" (the answer's largest token certificate), "agreement" (the draws' disagreement,
+with draws=) or "confidence" (minus the answer's lowest log-probability over its cache-dependent tokens).
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from typing import Any
 FORMAT = "kvcert-escalator/1"
 DEFAULT_WINDOW = 200
 DEFAULT_WARMUP = 20  # ~4 expected escalations at rate 0.2 before the stream's own quantile is trusted alone
+ESCALATOR_SIGNALS = ("certificate", "agreement", "confidence")  # the answer's scores generate can feed it
 _EPS = 1e-9  # rate * n is an integer in exact arithmetic more often than in floating point (0.2 * 35)
 
 
@@ -67,8 +72,12 @@ class RateEscalator:
         window: int = DEFAULT_WINDOW,
         warmup: int = DEFAULT_WARMUP,
         seed: int = 0,
+        signal: str = "certificate",
     ) -> None:
         _validate(rate, threshold, window, warmup)
+        if signal not in ESCALATOR_SIGNALS:
+            raise ValueError(f"signal={signal!r}: choose one of {', '.join(ESCALATOR_SIGNALS)} (the answer's score)")
+        self.signal = signal
         self.rate = float(rate)
         self.calibration_threshold = float(threshold)
         self.window = int(window)
@@ -179,6 +188,7 @@ class RateEscalator:
             "escalated": self._escalated,
             "skipped": self._skipped,
             "rng": [version, list(internal), gauss_next],
+            "signal": self.signal,
         }
 
     @classmethod
@@ -189,7 +199,9 @@ class RateEscalator:
                 f"escalator state has format {state.get('format')!r}, expected {FORMAT!r}: pass a dict written by "
                 "RateEscalator.state()"
             )
-        esc = cls(state["rate"], state["threshold"], state["window"], state["warmup"], state["seed"])
+        # "signal" was added later: a state written before it is the certificate's
+        esc = cls(state["rate"], state["threshold"], state["window"], state["warmup"], state["seed"],
+                  signal=state.get("signal", "certificate"))  # fmt: skip
         recent = [float(x) for x in state["recent"]]
         if len(recent) > esc.window or any(math.isnan(x) for x in recent):
             raise ValueError(
@@ -207,9 +219,9 @@ class RateEscalator:
 
     def __repr__(self) -> str:
         return (
-            f"RateEscalator(rate={self.rate}, threshold={self.threshold!r}, calibration_threshold="
-            f"{self.calibration_threshold!r}, window={self.window}, warmup={self.warmup}, seen={self._seen}, "
-            f"realized_rate={self.realized_rate:.3f})"
+            f"RateEscalator(signal={self.signal!r}, rate={self.rate}, threshold={self.threshold!r}, "
+            f"calibration_threshold={self.calibration_threshold!r}, window={self.window}, warmup={self.warmup}, "
+            f"seen={self._seen}, realized_rate={self.realized_rate:.3f})"
         )
 
 

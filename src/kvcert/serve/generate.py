@@ -15,6 +15,10 @@ certificate is 0; so is every token decoded with the full cache. A token is `tru
 the model, the policy and the budget and its certificate is finite; without one, `generate` warns once and marks
 every token untrusted: an uncalibrated radius is never presented as a bound. A full-cache generation (`policy=FULL`)
 needs no calibration: its certificates are exactly 0 and every token is trusted, without a warning.
+
+`draws=2` decodes several draws of the policy from the same read (draw 0's answer is the answer, the others report
+their agreement with it: `Generation.agreement`, `Escalation(signal="agreement")`), and `escalate=` also takes a
+`RateEscalator`, which holds an escalation rate over a stream of calls (docs/generate.md).
 """
 
 from __future__ import annotations
@@ -24,16 +28,18 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvcert.policy import FULL, Policy
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
+from kvcert.serve.escalator import RateEscalator
 from kvcert.serve.generation import EXACT, Generation
 from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, choose_budget, probe_error, summarize
 from kvcert.serve.stream import (
     AUTO,
-    CALIBRATED_SIGNALS,
+    DEFAULT_ESCALATION,
     SCOPES,
     SIGNALS,
     Escalated,
@@ -41,7 +47,12 @@ from kvcert.serve.stream import (
     Token,
     _escalate_to,
     _Stream,
+    answer_confidence,
+    resolve_rule,
 )
+
+if TYPE_CHECKING:
+    from kvcert.hf.draws import Draws
 
 __all__ = [
     "AUTO",
@@ -51,13 +62,10 @@ __all__ = [
     "Escalated",
     "Escalation",
     "Generation",
+    "RateEscalator",
     "Token",
     "generate",
 ]
-
-# study 4's winner (preregistration/study4/PLAN.md section 7: P1 supported on both packaged models): restart the
-# answer with the full cache when its largest certificate so far crosses the calibration's 20%-rate threshold
-DEFAULT_ESCALATION = Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
 
 DEFAULT_MAX_NEW_TOKENS = 64
 MESSAGES_WINDOW = 32  # tokens at the end of a chat prompt that play the question (see build_prompt)
@@ -173,6 +181,18 @@ def kv_bytes(batch) -> int:
     return max(batch.state.held_bytes(), batch.state.peak_bytes)
 
 
+def answer_kv_bytes(batch, rows: list[Policy], prompt_tokens: int, question_start: int, opts) -> int:
+    """`kv_bytes` of one row; of several draws (kvcert.hf.draws), the KV they hold together when the positions
+    several keep are stored once (`union_kv_bytes`), each row with the answer slots `kv_bytes` reserves for one."""
+    if len(rows) == 1:
+        return kv_bytes(batch)
+    from kvcert.hf.draws import union_kv_bytes
+
+    read = prompt_tokens if rows[0].compress_after == "prompt" else question_start  # what the compression saw
+    slots = prompt_tokens - read + opts.max_new_tokens + 1  # as kvcert.hf.compressed_batch reserves per row
+    return union_kv_bytes(batch, list(range(len(rows))), {i: slots for i in range(len(rows))})
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -184,7 +204,7 @@ def generate(
     budget: float = 0.25,
     policy: Policy | None = None,
     calibration="auto",
-    escalate: Escalation | str | None = AUTO,
+    escalate: Escalation | RateEscalator | str | None = AUTO,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     on_token: Callable[[Token | Escalated], None] | None = None,
     prompt_format: str | None = None,
@@ -194,6 +214,7 @@ def generate(
     tolerance: float | None = None,
     ladder: tuple[float, ...] = DEFAULT_LADDER,
     answer_prefix: str | None = None,
+    draws: Draws | int | None = None,
 ) -> Generation:
     """Greedy generation from a compressed cache with a per-token certificate (see the module docstring).
 
@@ -208,16 +229,23 @@ def generate(
     template (plain format: asked a bare question, a base model such as gemma3-270m ends its turn at once), none in
     the chat format; "": none. An empty answer is warned about, naming answer_prefix=. Bad input (an empty context
     or question, a budget outside (0, 1], text the tokenizer cannot read back) is one ValueError naming the fix
-    (`kvcert.serve.validate`)."""
+    (`kvcert.serve.validate`). draws: None (one draw), an int R (R independent draws) or a kvcert.hf.draws.Draws:
+    the policy's draws decoded as rows of one batch from one read, draw 0's answer the answer and the others fed
+    its tokens (`Generation.agreement`; docs/generate.md). escalate= also takes a RateEscalator, asked once per
+    answer with the answer's signal (the answer restarts with the full cache when it says so)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
-    from kvcert.serve.validate import validate_request
+    from kvcert.hf.draws import agreement_of, as_draws, draw_policies
+    from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
     validate_request(context=context, question=question, budget=None if policy else budget, messages=messages,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, tokenizer=tokenizer)  # fmt: skip
     model_name = model_name or getattr(model, "kvcert_name", None)
     policy = policy or default_policy(budget)
+    draws = as_draws(draws)
+    if draws is not None:
+        draw_policies(policy, draws)  # refuses, before any read, a policy with no random draws to repeat
     if prompt_format is None:
         prompt_format = "auto"
         if model_name:
@@ -250,22 +278,10 @@ def generate(
         policy = FULL if choice.chosen >= 1.0 else Policy(**{**asdict(policy), "budget": choice.chosen})
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
-    escalate = _resolve_escalation(escalate, cal, policy)
-    threshold = None
-    if escalate is not None:
-        threshold = escalate.threshold
-        if threshold is None and cal is not None and escalate.signal in CALIBRATED_SIGNALS:
-            threshold = cal.signal_threshold(escalate.signal, escalate.rate, budget=policy.budget)
-        if escalate.signal == "combined" and (cal is None or "combined" not in cal.models):
-            raise CalibrationError(
-                "the combined signal needs a calibration file with a combined model: rerun `kvcert calibrate`"
-            )
-        if threshold is None and not escalate.on_untrusted:
-            raise CalibrationError(
-                "escalate= needs a threshold: pass Escalation(threshold=...) or a calibration for this model"
-            )
+    escalate, threshold, escalator = resolve_rule(escalate, cal, policy, draws)
     stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
-    current, kv_held, stopped, probe_result = policy, 0, "max_new_tokens", None
+    current, kv_held, stopped, probe_result, agreement, drew = policy, 0, "max_new_tokens", None, None, None
+    eos = eos_ids(model, tokenizer)
     why = stream.random_restart(current)
     if why is not None:  # drawn before anything is decoded: the answer goes straight to the larger budget
         current = _escalate_to(stream, escalate, current, why, kept=0, reread=0)
@@ -279,8 +295,11 @@ def generate(
         )
         prompt = Prompt(input_ids=ids + generated, question_start=qs, example_id=example_id)
         measure = (probe or (escalate is not None and escalate.signal in ("probe", "combined"))) and not current.is_full
-        batch = compress_while_reading(model, prompt, [current], opts, probe=measure)
-        kv_held = max(kv_held, kv_bytes(batch))
+        rows, follow = [current], None
+        if draws is not None and not current.is_full and not stream.escalations:  # the answer's first cache only
+            (rows, follow), drew = draw_policies(current, draws), draws
+        batch = compress_while_reading(model, prompt, rows, opts, probe=measure)
+        kv_held = max(kv_held, answer_kv_bytes(batch, rows, len(prompt.input_ids), qs, opts))
         stream.probe_error = math.nan
         if measure:
             found = summarize(batch.probes[0], current.budget, certified=current.has_certificate,
@@ -288,21 +307,35 @@ def generate(
                               risk_model=cal.probe_risk if cal is not None else None)  # fmt: skip
             stream.probe_error = found.error
             probe_result = probe_result or found
-        trigger = stream.segment(batch, opts, current)
-        kv_held = max(kv_held, kv_bytes(batch))  # re-compressions during the decode reallocate the buffers
+        trigger = stream.segment(batch, opts, current, follow)
+        kv_held = max(kv_held, answer_kv_bytes(batch, rows, len(prompt.input_ids), qs, opts))  # re-compressions
+        if follow:  # the draws' agreement about draw 0's answer (as far as it was decoded)
+            agreement = agreement_of(stream.results[0], stream.results[1:])
         if trigger is None:
-            break
+            n_answer = answer_length(tokenizer, [t.id for t in stream.steps], eos, tuple(stops))[0]
+            why = stream.after_answer(current, agreement if follow else None, n_answer, escalator)
+            if why is None:
+                break
+            trigger = 0, why
         at, why = trigger
         kept = 0 if stream.answer_scope else len(generated) + at
         current = _escalate_to(stream, escalate, current, why, kept=kept, reread=len(ids) + kept)
     all_tokens = [t.id for t in stream.steps]
-    eos = eos_ids(model, tokenizer)
     n_answer, text = answer_length(tokenizer, all_tokens, eos, tuple(stops))
     if n_answer < len(all_tokens):
         stopped = "eos" if all_tokens[n_answer] in eos else "stop string"
+    # the first token is read exactly with the prompt, by a prompt-time policy or the full cache (an escalation
+    # changes the budget, never when the policy compresses)
+    exact = policy.compress_after == "prompt" or bool(stream.steps) and stream.steps[0].budget >= 1.0
+    confidence = answer_confidence([t.logprob for t in stream.steps], n_answer, first_exact=exact)
     del stream.steps[n_answer:]
     if not text.strip():
-        _warn_empty(stopped, answer_prefix)
+        warn_empty_answer(stopped, answer_prefix)
+    if escalator is not None:  # the rule as the escalator applied it to this answer (None: it was not asked)
+        threshold, escalate = None, None
+        if stream.reading:
+            threshold = stream.reading["threshold"]
+            escalate = Escalation(signal=escalator.signal, threshold=threshold, rate=escalator.rate)
     return Generation(
         text=text,
         steps=stream.steps,
@@ -319,37 +352,19 @@ def generate(
         answer_prefix=answer_prefix or "",
         escalation=escalate,
         threshold=threshold,
+        draws=drew,
+        agreement=agreement,
+        confidence=confidence,
+        escalator=None if escalator is None else _reading(escalator, stream.reading),
     )
 
 
-def _warn_empty(stopped: str, answer_prefix: str | None) -> None:
-    """One line when the answer is empty, naming the fix (the usual cause: the model ends its turn at once)."""
-    if answer_prefix:
-        fix = f"pass answer_prefix= with more of the answer's first words than {answer_prefix!r}, e.g. 'The code is'"
-    else:
-        fix = "pass answer_prefix='Answer:' or the answer's first words, e.g. answer_prefix='The code is'"
-    warnings.warn(
-        f"kvcert: the answer is empty (stopped at {stopped} before any text); {fix} (CLI: --answer-prefix)",
-        stacklevel=3,
-    )
-
-
-def _resolve_escalation(escalate, cal: Calibration | None, policy: Policy) -> Escalation | None:
-    """escalate="auto" -> DEFAULT_ESCALATION where it can act (a compressing policy below its budget and a calibration
-    with its threshold), else None; an Escalation or None as given."""
-    if isinstance(escalate, str):
-        if escalate != AUTO:
-            raise ValueError(f"escalate={escalate!r}: pass 'auto', an Escalation or None")
-        if policy.is_full or cal is None or policy.budget >= DEFAULT_ESCALATION.budget:
-            return None
-        try:
-            cal.signal_threshold(DEFAULT_ESCALATION.signal, DEFAULT_ESCALATION.rate, budget=policy.budget)
-        except CalibrationError:  # an older calibration file without escalation thresholds
-            return None
-        return DEFAULT_ESCALATION
-    if escalate is not None and not isinstance(escalate, Escalation):
-        raise ValueError(f"escalate= takes 'auto', an Escalation or None, got {type(escalate).__name__}")
-    return escalate
+def _reading(escalator: RateEscalator, reading: dict | None) -> dict:
+    """This answer's reading of the escalator (decided: whether it was asked; not for an answer it could not
+    restart) and its counts so far (the realized rate the summary reports)."""
+    asked = dict(decided=True, **reading) if reading else dict(decided=False, value=None, threshold=None)
+    return {**asked, "escalated": bool(reading and reading["escalated"]), "signal": escalator.signal,
+            "answers": escalator.seen, "escalations": escalator.escalated, "rate": escalator.rate}  # fmt: skip
 
 
 def _choose_budget(model, prompt, policy: Policy, tolerance: float, ladder) -> BudgetChoice:

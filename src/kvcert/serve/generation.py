@@ -1,14 +1,18 @@
 """What `kvcert.generate` returns: `Generation`, the answer's tokens with their certificates, the escalations, the
-memory held, and a one-line `summary()` that says first which cache the answer came from."""
+memory held, the draws' agreement, and a one-line `summary()` that says first which cache the answer came from."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from kvcert.policy import Policy
 from kvcert.serve.probe import BudgetChoice, Probe
 from kvcert.serve.stream import Escalated, Escalation, Token
+
+if TYPE_CHECKING:
+    from kvcert.hf.draws import Agreement, Draws
 
 EXACT = "none needed (full cache: exact)"  # Generation.calibration of a full-cache generation
 
@@ -39,6 +43,11 @@ class Generation:
     answer_prefix: str = ""  # read as part of the prompt, not part of `text`
     escalation: Escalation | None = None  # the rule that applied (escalate="auto" resolved), None without one
     threshold: float | None = None  # that rule's threshold in its signal's unit (the one each Escalated names)
+    draws: Draws | None = None  # the draws decoded (draws=); None: one draw (or the full cache, which needs none)
+    # the draws' agreement about draw 0's answer: the answer, or after a restart the answer it discarded
+    agreement: Agreement | None = None
+    confidence: float = math.nan  # minus the lowest log-probability of the answer's cache-dependent tokens
+    escalator: dict | None = None  # with a RateEscalator: its reading of this answer and its counts so far
 
     @property
     def tokens(self) -> list[int]:
@@ -95,6 +104,15 @@ class Generation:
         if self.probe is not None:
             where = "the discarded cache's " if self.restart is not None else ""
             line += f"; {where}prefill probe error {self.probe.error:.3g}"
+        if self.agreement is not None and self.draws is not None:
+            # after an escalation the draws speak of the answer they decoded: discarded, or cut at the escalation
+            where = "the discarded answer's " if self.restart is not None else ""
+            where = "before the escalation, " if self.escalations and not where else where
+            line += f"; {where}{draws_phrase(self.draws, self.agreement)}"
+        if self.escalator is not None:
+            n, k, rate = self.escalator["answers"], self.escalator["escalations"], self.escalator["rate"]
+            share = f" ({k / n:.0%})" if n else ""
+            line += f"; escalated {k} of {n} answers{share}, target {rate:.0%}"
         return line
 
     def to_dict(self) -> dict:
@@ -102,3 +120,13 @@ class Generation:
         out["policy"] = asdict(self.policy)
         out["summary"] = self.summary()
         return out
+
+
+def draws_phrase(draws: Draws, agreement: Agreement) -> str:
+    """ "draws: 2 independent, disagreement 1.23, 1/1 other draw's answer differs" (split halves: "halves")."""
+    split = draws.variant == "split"
+    n, k = len(agreement.row_differs), sum(agreement.row_differs)
+    one, many = ("half", "halves") if split else ("other draw", "other draws")
+    differ = f"{k}/1 {one}'s answer differs" if n == 1 else f"{k}/{n} {many}' answers differ"
+    head = "split halves of one draw" if split else f"{draws.count} independent"
+    return f"draws: {head}, disagreement {agreement.disagreement:.3g}, {differ}"

@@ -14,7 +14,7 @@ import math
 from html import escape
 from pathlib import Path
 
-from kvcert.serve.generation import Generation
+from kvcert.serve.generation import Generation, draws_phrase
 from kvcert.serve.stream import Escalated, Token
 
 LAYERS_PER_LINE = 5  # per-layer values in the hover card, this many to a line
@@ -140,6 +140,8 @@ def escalation_threshold(gen: Generation) -> tuple[float | None, str | None]:
     esc = gen.escalation
     if esc is None or esc.signal != "certificate" or gen.threshold is None:
         return None, None
+    if gen.escalator is not None:
+        return gen.threshold, f"the rate escalator's threshold for this answer (target {gen.escalator['rate']:g})"
     if esc.threshold is not None:
         return gen.threshold, "the escalation threshold given"
     where = f"at budget {gen.policy.budget:g}"
@@ -151,6 +153,24 @@ def _scale_caption(top: float, threshold: float | None, threshold_label: str | N
         label = escape(threshold_label or "escalation threshold")
         return f"0 &rarr; {top:.3g} ({label}; red at or above it)"
     return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied)"
+
+
+def _draws_line(gen: Generation) -> str:
+    """With draws: what they were, the disagreement, and per other draw its largest drop and whether its own greedy
+    answer agrees with draw 0's; "" without."""
+    if gen.agreement is None or gen.draws is None:
+        return ""
+    a = gen.agreement
+    name = "half" if gen.draws.variant == "split" else "draw"
+    rows = "; ".join(
+        f"{name} {i if name == 'half' else i + 1}: largest drop {_fmt(d)}, own answer {'differs' if x else 'agrees'}"
+        for i, (d, x) in enumerate(zip(a.drops, a.row_differs))
+    )
+    whose = "the discarded answer's " if gen.restart is not None else ""
+    return (
+        f'<p class="meta">{escape(whose + draws_phrase(gen.draws, a))} (disagreement: the mean over the other rows '
+        f"of the largest drop in log-probability of draw 0's tokens). {escape(rows)}.</p>"
+    )
 
 
 def _mib(n: int) -> str:
@@ -207,6 +227,7 @@ def render_html(
         f'<p class="meta">{len(gen.steps)} tokens, stopped at {escape(gen.stopped)}; prompt {gen.prompt_tokens} '
         f"tokens; policy {escape(gen.policy.label)}; calibration {calibrated}. Hover a token for its details "
         "(or open this page at #t&lt;index&gt;).</p>",
+        _draws_line(gen),
         "<h2>Legend</h2>",
         '<div class="legend">',
         f'<span><span class="scale"></span> certificate {_scale_caption(top, threshold, threshold_label)}</span>',

@@ -112,14 +112,16 @@ def fit_signals(answers: pd.DataFrame, cal_ids, test_ids, rates) -> dict:
             thresholds[signal] = {f"{r:g}": float(np.quantile(scores, 1 - r)) for r in rates}
     held = df[df["example_id"].isin(test_ids) & df["full_correct"]]
     aurocs = {}
-    for signal, column in SCORES.items():
+    # collected with draws (kvcert calibrate --draws): the draws' disagreement is a signal too
+    scores_of = {**SCORES, "agreement": "disagreement"} if "disagreement" in df.columns else SCORES
+    for signal, column in scores_of.items():
         ok = held[column].notna()
         labels, scores = held.loc[ok, "cache_failure"].to_numpy(bool), held.loc[ok, column].to_numpy()
         aurocs[signal] = float(auroc(labels, scores)) if 0 < labels.sum() < len(labels) else math.nan
     by_budget = {}
     for budget, group in held.groupby("budget"):
         by_budget[f"{budget:g}"] = {}
-        for signal, column in SCORES.items():
+        for signal, column in scores_of.items():
             ok = group[column].notna()
             labels, scores = group.loc[ok, "cache_failure"].to_numpy(bool), group.loc[ok, column].to_numpy()
             value = auroc(labels, scores) if 0 < labels.sum() < len(labels) else math.nan

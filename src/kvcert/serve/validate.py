@@ -88,3 +88,17 @@ def validate_request(
                 why = round_trip_problem(tokenizer, value, what)
                 if why is not None:
                     raise ValueError(why)
+
+
+def warn_empty_answer(stopped: str, answer_prefix: str | None) -> None:
+    """One line when the answer is empty, naming the fix (the usual cause: the model ends its turn at once)."""
+    import warnings
+
+    if answer_prefix:
+        fix = f"pass answer_prefix= with more of the answer's first words than {answer_prefix!r}, e.g. 'The code is'"
+    else:
+        fix = "pass answer_prefix='Answer:' or the answer's first words, e.g. answer_prefix='The code is'"
+    warnings.warn(
+        f"kvcert: the answer is empty (stopped at {stopped} before any text); {fix} (CLI: --answer-prefix)",
+        stacklevel=3,
+    )
