@@ -182,11 +182,13 @@ def test_the_default_escalation_is_study_4s_answer_level_certificate_rule(tiny_s
         generate(model, tok, calibration=high, escalate="always", **kw)
 
 
-def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_smol):
+def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_smol, monkeypatch):
     """tolerance=t: the probe errors reported per rung are the probes compress_while_reading measures for each rung
-    on its own; the chosen budget is the smallest within t, and the answer is generate's at that budget; a tolerance
-    no rung meets takes the full cache (plain greedy); a probe signal escalates before the first token."""
+    on its own; the chosen budget is the smallest within t, and the answer (and the KV held) is generate's at that
+    budget, from ONE read of the prompt; a tolerance no rung meets takes the full cache (plain greedy, a second read);
+    a probe signal escalates before the first token."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
+    from kvcert.hf import serving_prefill
     from kvcert.serve.probe import probe_error
 
     model, tok = tiny_smol
@@ -200,15 +202,22 @@ def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_s
     assert all(0 < e < 10 for e in errors.values())
     middle = sorted(errors.values())[1]
     kw = dict(context=ex.context, question=ex.question, calibration=None, model_name="tiny-tol", max_new_tokens=6)
+    reads = []
+    read = serving_prefill._read
+    monkeypatch.setattr(serving_prefill, "_read", lambda *a, **k: reads.append(1) or read(*a, **k))
     with no_eos(model):
         out = generate(model, tok, tolerance=middle, **kw)
+        assert len(reads) == 1, "tolerance= must read the prompt once when a rung is chosen"
         expected = min(b for b, e in errors.items() if e <= middle)
         assert out.budget_choice.chosen == expected and out.policy.budget == expected
         assert out.budget_choice.errors == {f"{b:g}": pytest.approx(e, rel=1e-6) for b, e in errors.items()}
-        assert out.budget_choice.extra_prefill_tokens == len(ids)
+        assert out.budget_choice.extra_prefill_tokens == 0
         same = generate(model, tok, budget=expected, **kw)
         assert out.tokens == same.tokens and out.probe.error == pytest.approx(errors[expected], rel=1e-6)
+        assert out.kv_bytes == same.kv_bytes
+        reads.clear()
         strict = generate(model, tok, tolerance=min(errors.values()) / 2, **kw)
+        assert len(reads) == 2 and strict.budget_choice.extra_prefill_tokens == len(ids)
         early = generate(model, tok, budget=0.25, escalate=Escalation(signal="probe", threshold=0.0, scope="answer"),
                          **kw)  # fmt: skip
     ref, _ = hf_greedy(model, ids, 6)

@@ -6,6 +6,8 @@ exists; the result is the `CompressedBatch` (kvcert.hf.compressed_batch) that ve
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvcert.core.probe import ProbeResult, window_probe
@@ -134,7 +136,8 @@ def compress_while_reading(
     *,
     example_id: str | None = None,
     probe: bool = False,
-) -> CompressedBatch:
+    choose: Callable[[list[list[ProbeResult | None]]], int | None] | None = None,
+) -> CompressedBatch | None:
     """Serving mode (no oracle): what `Prefill.record(...).compress(...)` returns, without ever holding the full
     cache of all layers. The prompt is read once, and inside that forward each layer, as soon as its attention ran, is
     compressed for every policy (the policies compressed after the context, as kvpress does, take the layer's context
@@ -145,16 +148,30 @@ def compress_while_reading(
     the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
     chunk here (two there: context, then question). probe: also measure each compressed layer's exact error for the
     observation window's queries while the layer still holds its full keys and values (kvcert.core.probe):
-    `CompressedBatch.probes[i]` is policy i's list of ProbeResult per layer (None on layers not compressed)."""
+    `CompressedBatch.probes[i]` is policy i's list of ProbeResult per layer (None on layers not compressed).
+    choose: read the prompt once for every policy with the probe on, then `choose(probes)` (each policy's list of
+    ProbeResult per layer) names the one policy to keep: the batch holds that policy alone (its probes as
+    `probes[0]`), built from the same read; None from choose: no policy is kept and None is returned (the caller
+    reads again with another cache). `generate(tolerance=...)` picks its rung this way, reading the prompt once."""
     ids_list = list(prompt.input_ids)
     n, qs = len(ids_list), int(prompt.question_start)
     param = next(model.parameters())
     backend = resolve_backend(options.backend, torch.empty(0, dtype=param.dtype, device=param.device), model.config)
     ids = torch.tensor([ids_list], device=model.device)
+    probe = probe or choose is not None
     readers = _readers(model, prompt, policies, options, example_id, probe=probe, keep=True)
     logits = _read(model, ids, readers)
+    chosen = None
+    if choose is not None:
+        found = {i: r.probes[i] for _, rows, _, r in readers for i in rows}
+        chosen = choose([found[i] for i in range(len(policies))])
+        if chosen is None:
+            return None
     parts = []
     for when, rows, _, reader in readers:
+        rows = rows if chosen is None else [i for i in rows if i == chosen]
+        if not rows:
+            continue
         comps = {i: assemble_layers(policies[i], reader.plans[i], reader.layers[i]) for i in rows}
         first = logits if when == "prompt" else None
         example = example_id if example_id is not None else _example_id(prompt)
@@ -164,6 +181,8 @@ def compress_while_reading(
     batch = _batch(model, policies, parts, backend, n)
     if probe:
         batch.probes = {i: r.probes[i] for _, rows, _, r in readers for i in rows}
+    if chosen is not None:  # the chosen policy alone, as if it had been read by itself
+        batch.policies, batch.rows, batch.probes = [policies[chosen]], [0], {0: batch.probes[chosen]}
     return batch
 
 

@@ -36,7 +36,7 @@ from kvcert.policy import FULL, Policy
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.escalator import RateEscalator
 from kvcert.serve.generation import EXACT, Generation
-from kvcert.serve.probe import DEFAULT_LADDER, BudgetChoice, choose_budget, probe_error, summarize
+from kvcert.serve.probe import DEFAULT_LADDER, choose_rung, summarize
 from kvcert.serve.stream import (
     AUTO,
     DEFAULT_ESCALATION,
@@ -271,10 +271,15 @@ def generate(
         )
     n_layers = int(model.config.num_hidden_layers)
     example_id = f"kvcert-generate-{seed}"
-    choice = None
-    if tolerance is not None:
-        choice = _choose_budget(model, Prompt(input_ids=ids, question_start=qs, example_id=example_id), policy,
-                                tolerance, ladder)  # fmt: skip
+    choice, first_batch = None, None
+    if tolerance is not None:  # one read of the prompt for every rung, the chosen one's cache kept (not with draws)
+        once = (
+            DecodeOptions(max_new_tokens=max_new_tokens, stop_strings=tuple(stops), oracle=False)
+            if draws is None
+            else None
+        )
+        choice, first_batch = choose_rung(model, Prompt(input_ids=ids, question_start=qs, example_id=example_id),
+                                             policy, tolerance, ladder, once)  # fmt: skip
         policy = FULL if choice.chosen >= 1.0 else Policy(**{**asdict(policy), "budget": choice.chosen})
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
@@ -298,7 +303,10 @@ def generate(
         rows, follow = [current], None
         if draws is not None and not current.is_full and not stream.escalations:  # the answer's first cache only
             (rows, follow), drew = draw_policies(current, draws), draws
-        batch = compress_while_reading(model, prompt, rows, opts, probe=measure)
+        if first_batch is not None and not generated and rows == first_batch.policies:
+            batch, first_batch = first_batch, None  # tolerance='s read already holds this cache
+        else:
+            batch = compress_while_reading(model, prompt, rows, opts, probe=measure)
         kv_held = max(kv_held, answer_kv_bytes(batch, rows, len(prompt.input_ids), qs, opts))
         stream.probe_error = math.nan
         if measure:
@@ -365,29 +373,3 @@ def _reading(escalator: RateEscalator, reading: dict | None) -> dict:
     asked = dict(decided=True, **reading) if reading else dict(decided=False, value=None, threshold=None)
     return {**asked, "escalated": bool(reading and reading["escalated"]), "signal": escalator.signal,
             "answers": escalator.seen, "escalations": escalator.escalated, "rate": escalator.rate}  # fmt: skip
-
-
-def _choose_budget(model, prompt, policy: Policy, tolerance: float, ladder) -> BudgetChoice:
-    """One probe-only read for every rung of the ladder below the full cache; the smallest rung within tolerance."""
-    from kvcert.hf import DecodeOptions, probe_prompt
-
-    if not (isinstance(tolerance, (int, float)) and tolerance > 0):
-        raise ValueError(f"tolerance must be a positive relative attention error (e.g. 0.1), got {tolerance!r}")
-    rungs = sorted({float(b) for b in ladder})
-    if not rungs or any(not 0.0 < b <= 1.0 for b in rungs):
-        raise ValueError(f"the ladder's budgets must lie in (0, 1], got {list(ladder)}")
-    if policy.is_full:
-        raise ValueError("tolerance= chooses a budget for a compressing policy; the full cache has none to choose")
-    below = [b for b in rungs if b < 1.0]
-    candidates = [Policy(**{**asdict(policy), "budget": b}) for b in below]
-    results = probe_prompt(model, prompt, candidates, DecodeOptions(max_new_tokens=1, oracle=False)) if below else []
-    errors = {b: probe_error(r) for b, r in zip(below, results)}
-    chosen, why = choose_budget(errors, tolerance)
-    return BudgetChoice(
-        tolerance=float(tolerance),
-        ladder=rungs,
-        errors={f"{b:g}": e for b, e in errors.items()},
-        chosen=chosen,
-        extra_prefill_tokens=len(prompt.input_ids) if below else 0,
-        reason=why,
-    )

@@ -22,11 +22,12 @@ held-out examples (`Calibration.report["tolerance"]`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
 from kvcert.core.probe import ProbeResult
+from kvcert.policy import Policy
 from kvcert.serve.certificate import token_certificate
 
 DEFAULT_LADDER = (0.125, 0.25, 0.5, 1.0)
@@ -95,3 +96,45 @@ def choose_budget(errors: dict[float, float], tolerance: float) -> tuple[float, 
         if math.isfinite(errors[budget]) and errors[budget] <= tolerance:
             return budget, f"probe error {errors[budget]:.3g} <= tolerance {tolerance:g} at budget {budget:g}"
     return 1.0, f"no budget below the full cache has probe error <= tolerance {tolerance:g}"
+
+
+def choose_rung(
+    model, prompt, policy: Policy, tolerance: float, ladder, options=None
+) -> tuple[BudgetChoice, object | None]:
+    """The smallest rung of the ladder within tolerance by the probe, from one read of the prompt for every rung below
+    the full cache. With decoding `options`, that read also keeps the chosen rung's cache (returned with the choice,
+    so the prompt is read once); without, it is a probe-only read (None)."""
+    from kvcert.hf import DecodeOptions, compress_while_reading, probe_prompt
+
+    if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+        raise ValueError(f"tolerance must be a positive relative attention error (e.g. 0.1), got {tolerance!r}")
+    rungs = sorted({float(b) for b in ladder})
+    if not rungs or any(not 0.0 < b <= 1.0 for b in rungs):
+        raise ValueError(f"the ladder's budgets must lie in (0, 1], got {list(ladder)}")
+    if policy.is_full:
+        raise ValueError("tolerance= chooses a budget for a compressing policy; the full cache has none to choose")
+    below = [b for b in rungs if b < 1.0]
+    candidates = [Policy(**{**asdict(policy), "budget": b}) for b in below]
+    errors: dict[float, float] = {}
+
+    def pick(probes) -> int | None:
+        errors.update({b: probe_error(r) for b, r in zip(below, probes)})
+        chosen = choose_budget(errors, tolerance)[0]
+        return None if chosen >= 1.0 else below.index(chosen)
+
+    batch = None
+    if below and options is not None:
+        batch = compress_while_reading(model, prompt, candidates, options, choose=pick)
+    elif below:
+        pick(probe_prompt(model, prompt, candidates, DecodeOptions(max_new_tokens=1, oracle=False)))
+    chosen, why = choose_budget(errors, tolerance)
+    # the read costs an extra prefill unless it also built the cache the answer is decoded from
+    extra = len(prompt.input_ids) if below and batch is None else 0
+    return BudgetChoice(
+        tolerance=float(tolerance),
+        ladder=rungs,
+        errors={f"{b:g}": e for b, e in errors.items()},
+        chosen=chosen,
+        extra_prefill_tokens=extra,
+        reason=why,
+    ), batch
