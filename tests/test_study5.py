@@ -109,3 +109,36 @@ def test_claims_decide_as_the_records_say(good, verdict):
 def test_majority_of_draws_by_hand():
     frame = pd.DataFrame(dict(draw_answers=[["x", "y", "y"], ["x", "y", "z"]], draw_correct=[[1, 0, 0], [1, 0, 0]]))
     assert analysis.majority_correct(frame, 3).tolist() == [0.0, 1.0]  # y wins; a three-way tie keeps draw 0
+
+
+def test_claims_and_scorecard_columns_from_complete_records(tmp_path):
+    """A complete synthetic study 5 in a scratch root: analyze decides every pre-registered claim and the combined
+    scorecard's columns carry them as S5.P1-S5.P5 (never as study 4's P1-P5)."""
+    import shutil
+
+    import yaml
+
+    from kvcert.studies.study5 import cli
+    from kvcert.studies.study5.common import PREREG, RESULTS
+
+    prereg = tmp_path / PREREG
+    prereg.mkdir(parents=True)
+    for name in ("PLAN.md", "predictions_smollm2.yaml", "predictions_gemma3.yaml"):
+        shutil.copy(PREREG / name, prereg / name)
+    tasks = {t: 1 for t in TASKS}
+    design = dict(seed=1, lengths=list(LENGTHS), budgets=[0.5, 0.25], variant="independent", draws=2, form="alone",
+                  models={m: dict(model=m, tasks=tasks, n_per_cell=60) for m in ("smollm2", "gemma3")})  # fmt: skip
+    (prereg / "design.yaml").write_text(yaml.safe_dump(design))
+    for k, tag in enumerate(("smollm2", "gemma3")):
+        out = tmp_path / RESULTS / tag
+        out.mkdir(parents=True)
+        records(60, 10 + k, good="r2", noise=0.5).to_json(out / "answers.jsonl", orient="records", lines=True)
+    analysis.analyze(tmp_path, n_boot=200)
+    assert cli.complete("smollm2", tmp_path)
+    cards = cli.scorecard_cards(tmp_path)
+    assert set(cards) == {"study5_smollm2", "study5_gemma3"}
+    rows = {c["id"]: c for c in cards["study5_smollm2"]["claims"]}
+    assert set(rows) == {"S5.P1", "S5.P2", "S5.P3", "S5.P4", "S5.P5"}
+    assert rows["S5.P1"]["verdict"] == "supported" and rows["S5.P1"]["ci"][0] > 0
+    assert "cells" in rows["S5.P1"]["claim"]
+    assert (tmp_path / RESULTS / "report.md").read_text().startswith("# Study 5 report")

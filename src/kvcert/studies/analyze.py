@@ -104,8 +104,10 @@ def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     study-1 out folder), with study 2's power targets (PLAN.md section 4)."""
     from kvcert.studies.scorecard import combined_scorecard, write_combined
     from kvcert.studies.study4.cli import scorecard_cards
+    from kvcert.studies.study5.cli import scorecard_cards as study5_cards
 
-    cards = {**cards, **scorecard_cards(ROOT)}  # study 4's columns, once its records are complete
+    # studies 4's and 5's columns, once their records are complete
+    cards = {**cards, **scorecard_cards(ROOT), **study5_cards(ROOT)}
 
     power = {cid: {"target_n": n} for cid, n in STUDY2_POWER_TARGET_N.items()} if "study2" in cards else None
     secondary = cards.get("study2", {}).get("secondary")

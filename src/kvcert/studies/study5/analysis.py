@@ -196,9 +196,16 @@ def secondary(answers: pd.DataFrame, design: Mapping) -> dict:
 
 
 def analyze(root: Path = Path("."), partial: bool = False, n_boot: int | None = None) -> dict:
+    """Claims (results/study5/claims.json, complete models only) and the report; n_boot: fewer resamples (tests)."""
     global N_BOOT
-    if n_boot is not None:
-        N_BOOT = n_boot
+    kept, N_BOOT = N_BOOT, n_boot or N_BOOT
+    try:
+        return _analyze(root, partial)
+    finally:
+        N_BOOT = kept
+
+
+def _analyze(root: Path, partial: bool) -> dict:
     design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
     out: dict = {}
     lines = [f"# Study 5 {'interim report (incomplete records, no claims)' if partial else 'report'}", ""]

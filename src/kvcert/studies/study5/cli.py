@@ -97,6 +97,45 @@ def run(tag: str, root: Path = Path(".")) -> Path:
     )
 
 
+def complete(tag: str, root: Path = Path(".")) -> bool:
+    """Whether a model's records hold every example its design plans (claims are decided only then)."""
+    from kvcert.studies.study5.common import load_rows
+
+    path, design_path = root / RESULTS / tag / "answers.jsonl", root / PREREG / "design.yaml"
+    if not path.is_file() or not design_path.is_file():
+        return False
+    design = yaml.safe_load(design_path.read_text())
+    spec = design["models"][tag]
+    planned = len(spec["tasks"]) * len(design["lengths"]) * int(spec["n_per_cell"])
+    return load_rows(path)["example_id"].nunique() >= planned
+
+
+def scorecard_cards(root: Path = Path(".")) -> dict[str, dict]:
+    """Study 5's columns for the combined scorecard ({"study5_<model>": {"lock", "claims"}}; rows S5.P1-S5.P5, not to
+    be read as study 4's P1-P5), from results/study5/claims.json for models whose records are complete; {} before."""
+    import json
+
+    from kvcert.prereg import verify
+
+    path = root / RESULTS / "claims.json"
+    if not path.is_file():
+        return {}
+    result = json.loads(path.read_text())
+    cards = {}
+    for tag in MODELS:
+        if tag not in result or not complete(tag, root):
+            continue
+        predictions = yaml.safe_load((root / PREREG / f"predictions_{tag}.yaml").read_text())["claims"]
+        claims = [
+            dict(id=f"S5.{cid}", claim=predictions[cid]["claim"], verdict=c["verdict"], observed=c["estimate"],
+                 ci=[c["lo"], c["hi"]], unit=predictions[cid].get("unit", ""), n_examples=c.get("n"),
+                 prediction=predictions[cid].get("prediction"), details={"ci_kind": "95% paired bootstrap"})
+            for cid, c in result[tag]["claims"].items()
+        ]  # fmt: skip
+        cards[f"study5_{tag}"] = {"lock": verify(root, study="study5"), "claims": claims}
+    return cards
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcert.studies.study5", description="Study 5: draws that disagree")
     sub = p.add_subparsers(dest="command", required=True)
