@@ -187,8 +187,7 @@ def test_tolerance_picks_the_smallest_rung_whose_probe_error_is_within_it(tiny_s
     on its own; the chosen budget is the smallest within t, and the answer (and the KV held) is generate's at that
     budget, from ONE read of the prompt; a tolerance no rung meets takes the full cache (plain greedy, a second read);
     a probe signal escalates before the first token."""
-    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
-    from kvcert.hf import serving_prefill
+    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading, serving_prefill
     from kvcert.serve.probe import probe_error
 
     model, tok = tiny_smol
