@@ -1,0 +1,127 @@
+"""What compressing while reading costs against one plain forward of the same prompt (serving mode, certificate on),
+and where the difference goes. Per workload (one policy; a grid of prompt-time policies; kvpress's 11
+configurations, which read the question again through each context-time cache): the read's seconds as a ratio to
+`model.model(ids)` (the transformer without its head, what any read costs at least), measured alternately in one run,
+and one profiled read split into its parts (the forward's attention, the per-policy selection, the copy of the kept
+tokens out of each layer, building the decode buffers).
+
+    python -m kvcert.bench.read [--model smollm2-135m-instruct] [--tokens 1024] [--reps 3] [--grid 24]
+        -> results/bench/read_cpu.{md,json}
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kvcert.bench.common import DEFAULT_MODEL, load, policy_grid, synthetic_prompt
+from kvcert.records import cpu_model
+
+# the parts of a read, by the function that does each (module path fragment, function name)
+PARTS = {
+    "selection (scores, design)": ("hf/compress.py", "select_layers"),
+    "copy out of the layer": ("hf/compressed_batch.py", "_take_tokens"),
+    "decode buffers": ("hf/compressed_batch.py", "_build_bucket"),
+    "attention (prompt)": ("hf/attention.py", "causal_attention"),
+    "probe": ("hf/serving_prefill.py", "_probe"),
+}
+
+
+def workloads(grid: int) -> dict[str, list]:
+    from kvcert.bench.kvpress_speed import kvcert_policies
+    from kvcert.serve.generate import default_policy
+
+    return {
+        "one policy": [default_policy(0.5)],
+        f"{grid}-variant grid, prompt-time": [p for p in policy_grid(grid) if p.compress_after == "prompt"],
+        "kvpress's 11 configurations": kvcert_policies(),
+    }
+
+
+def parts_of(profile: cProfile.Profile) -> dict[str, float]:
+    """Cumulative seconds of each part of a profiled read."""
+    stats = pstats.Stats(profile).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
+    out = dict.fromkeys(PARTS, 0.0)
+    for (path, _, name), (_, _, _, cumulative, _) in stats.items():
+        for part, (fragment, function) in PARTS.items():
+            if name == function and path.replace("\\", "/").endswith(fragment):
+                out[part] += cumulative
+    return out
+
+
+def measure(model, ids: list[int], qs: int, grid: int, reps: int) -> dict[str, dict]:
+    from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
+
+    opts = DecodeOptions(max_new_tokens=16, oracle=False, certificate=True)
+    prompt = Prompt(input_ids=ids, question_start=qs, example_id="bench-read")
+    x = torch.tensor([ids], device=model.device)
+    out = {}
+    with torch.no_grad():
+        for name, policies in workloads(grid).items():
+            compress_while_reading(model, prompt, policies, opts)  # warm-up
+            plain, read = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                model.model(x)
+                t1 = time.perf_counter()
+                compress_while_reading(model, prompt, policies, opts)
+                t2 = time.perf_counter()
+                plain.append(t1 - t0)
+                read.append(t2 - t1)
+            profile = cProfile.Profile()
+            profile.enable()
+            compress_while_reading(model, prompt, policies, opts)
+            profile.disable()
+            p, r = statistics.median(plain), statistics.median(read)
+            out[name] = dict(policies=len(policies), plain_s=p, read_s=r, ratio=r / p,
+                             parts_s=parts_of(profile))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--grid", type=int, default=24)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default="results/bench/read_cpu")
+    args = ap.parse_args(argv)
+    import pandas as pd
+
+    from kvcert.analysis.tables import markdown_table
+
+    torch.set_num_threads(args.threads)
+    model, _ = load(args.model, "cpu", "float32")
+    ids, qs = synthetic_prompt(model, args.tokens)
+    res = measure(model, ids, qs, args.grid, args.reps)
+    rows = [dict(workload=k, policies=v["policies"], plain_s=v["plain_s"], read_s=v["read_s"], ratio=v["ratio"],
+                 **{f"{p} s": s for p, s in v["parts_s"].items()}) for k, v in res.items()]  # fmt: skip
+    cpu = cpu_model()
+    text = "\n".join([
+        "# Compressing while reading against one plain forward (kvcert.bench.read)",
+        "",
+        f"CPU: {cpu}, {args.threads} thread(s); {args.model}, {args.tokens}-token prompt; serving mode, certificate "
+        f"on; read and plain forward alternating, medians of {args.reps}; the parts from one profiled read (cProfile "
+        "cumulative seconds, inflated by the profiler).",
+        "",
+        markdown_table(pd.DataFrame(rows).round(3)),
+        "",
+    ])  # fmt: skip
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(text)
+    out.with_suffix(".json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), results=res), indent=2))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
