@@ -142,3 +142,14 @@ def test_claims_and_scorecard_columns_from_complete_records(tmp_path):
     assert rows["S5.P1"]["verdict"] == "supported" and rows["S5.P1"]["ci"][0] > 0
     assert "cells" in rows["S5.P1"]["claim"]
     assert (tmp_path / RESULTS / "report.md").read_text().startswith("# Study 5 report")
+
+
+def test_random_control_means_the_same_on_both_splits():
+    """A threshold fitted on one set of ids escalates about the same share of another (the rank-based score did not)."""
+    from kvcert.studies.study5.signals import random_score, threshold
+
+    cal = pd.DataFrame(dict(example_id=[f"a-{i}" for i in range(300)]))
+    conf = pd.DataFrame(dict(example_id=[f"b-{i}" for i in range(700)]))
+    cut = threshold(random_score(cal), 0.2)
+    assert abs((random_score(conf) > cut).mean() - 0.2) < 0.05
+    assert random_score(conf.iloc[::-1])[::-1].tolist() == random_score(conf).tolist()  # per id, not per position

@@ -7,6 +7,8 @@ reference-set CDF values), `confidence`, `certificate`, the answer-level flag `d
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 import pandas as pd
 
@@ -50,10 +52,13 @@ def agreement_score(frame: pd.DataFrame, variant: str, form: str, reference: pd.
 
 
 def random_score(frame: pd.DataFrame) -> np.ndarray:
-    """A seeded permutation's rank per example id (independent of the row order)."""
-    ids = np.sort(frame["example_id"].unique())
-    order = np.random.default_rng(RANDOM_SEED).permutation(len(ids))
-    return frame["example_id"].map(dict(zip(ids, order.astype(float)))).to_numpy(np.float64)
+    """A seeded uniform number in [0, 1) per example id (its SHA-256 with the seed): the same for an id in any frame,
+    so a threshold fitted on the calibration split means the same on the confirmatory split."""
+
+    def u(example_id: str) -> float:
+        return int(hashlib.sha256(f"{RANDOM_SEED}|{example_id}".encode()).hexdigest()[:15], 16) / 16**15
+
+    return frame["example_id"].map(u).to_numpy(np.float64)
 
 
 def within_cell_escalated(frame: pd.DataFrame, scores: np.ndarray, rate: float) -> np.ndarray:
