@@ -31,9 +31,8 @@ import torch
 
 from kvcert.serve.certificate import LEVEL, REDUCTIONS, token_certificate
 
-if TYPE_CHECKING:  # describe reads a Calibration; the class imports this module, so not at run time
+if TYPE_CHECKING:
     from kvcert.hf.draws import Draws
-    from kvcert.serve.calibration import Calibration
 
 DEFAULT_RATES = (0.05, 0.1, 0.2, 0.3)
 
@@ -307,46 +306,3 @@ def calibration_fields(
         data={**data, "n_examples": len(examples), "split_seed": split_seed, "collect_s": collect_s},
         report=res["report"],
     )
-
-
-def describe(cal: Calibration) -> str:
-    """The calibration report in a few lines (what `kvcert calibrate` prints)."""
-    r = cal.report
-    lines = [
-        f"calibration of {cal.model}: {cal.policy['scorer']} x {cal.policy['design']} at budgets "
-        f"{', '.join(f'{b:g}' for b in cal.budgets)}, level {cal.level}",
-        f"  data: {cal.data}",
-        f"  held-out coverage of m_layer * r_tight: {r['coverage']:.3f} [{r['coverage_ci'][0]:.3f}, "
-        f"{r['coverage_ci'][1]:.3f}] over {r['n_test_cells']} cells of {r['n_test_examples']} examples; worst layer "
-        f"{r['worst_layer']['layer']}: {r['worst_layer']['coverage']:.3f}; worst tail-mass bin "
-        f"{r['worst_tail_mass_bin']['tail_mass'][0]:.3g}-{r['worst_tail_mass_bin']['tail_mass'][1]:.3g}: "
-        f"{r['worst_tail_mass_bin']['coverage']:.3f}",
-        f"  token certificate: {cal.reduction} (held-out AUROC for cache-induced failures: "
-        + ", ".join(f"{k} {v:.3f}" for k, v in r["auroc"].items())
-        + f"; {r['n_test_cache_failures']} failures in {r['n_test_answers']} answers the full cache got right)",
-        "  escalation thresholds (rate: threshold, held-out rate): "
-        + ", ".join(f"{k}: {v:.3g} ({r['held_out_escalation_rate'][k]:.2f})" for k, v in cal.thresholds.items()),
-    ]
-    if "agreement" in cal.signal_thresholds:
-        lines.append(
-            f"  agreement thresholds ({cal.draws.get('count')} {cal.draws.get('variant')} draws; budget: rate: "
-            "threshold): "
-            + "; ".join(
-                f"{b}: " + ", ".join(f"{k}: {v:.3g}" for k, v in table.items())
-                for b, table in cal.signal_budget_thresholds.get("agreement", {}).items()
-            )
-        )
-    if "signal_auroc" in r:
-        lines.append(
-            "  held-out AUROC of each answer-level signal for cache-induced failures: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in r["signal_auroc"].items())
-        )
-        lines.append(
-            "  tolerance t -> mean budget taken, share at the full cache, accuracy, cache-induced failure rate: "
-            + "; ".join(
-                f"{t}: {v['mean_budget']:.2f}, {v['share_full']:.2f}, {v['accuracy']:.2f}, "
-                f"{v['cache_failure_rate']:.2f}"
-                for t, v in r["tolerance"].items()
-            )
-        )
-    return "\n".join(lines)
