@@ -212,3 +212,24 @@ def before_after_options(opts) -> tuple[object, object | None]:
     if "backend" not in {f.name for f in dataclasses.fields(opts)}:
         return opts, None
     return dataclasses.replace(opts, backend="torch"), dataclasses.replace(opts, backend="compiled")
+
+
+def write_report(out, title: str, setup: str, rows: list[dict], args, results: dict) -> str:
+    """A one-run benchmark's report: `out`.md (the title, the setup line after "CPU: <this CPU>, ", the rows as one
+    Markdown table rounded to 3 digits) and `out`.json (the CPU, the arguments, the results); returns the text."""
+    import json
+    from pathlib import Path
+
+    import pandas as pd
+
+    from kvcert.analysis.tables import markdown_table
+    from kvcert.records import cpu_model
+
+    cpu = cpu_model()
+    table = markdown_table(pd.DataFrame(rows).round(3))
+    text = "\n".join([title, "", f"CPU: {cpu}, {setup}", "", table, ""])
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.with_suffix(".md").write_text(text)
+    path.with_suffix(".json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), results=results), indent=2))
+    return text

@@ -11,15 +11,12 @@ same run, the configurations alternating over the repetitions.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from kvcert.bench.common import DEFAULT_MODEL, StepTimer, load, no_eos, synthetic_prompt
-from kvcert.records import cpu_model
+from kvcert.bench.common import DEFAULT_MODEL, StepTimer, load, no_eos, synthetic_prompt, write_report
 
 CONFIGS = ("one draw", "split halves", "2 draws", "4 draws")
 
@@ -77,29 +74,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="results/bench/draws_cpu")
     args = p.parse_args(argv)
-    from kvcert.analysis.tables import markdown_table
 
     torch.set_num_threads(args.threads)
     model, _ = load(args.model, "cpu", "float32")
     ids, qs = synthetic_prompt(model, args.tokens)
     res = measure(model, ids, qs, args.steps, args.reps)
-    cpu = cpu_model()
-    import pandas as pd
-
-    table = pd.DataFrame([dict(config=k, **v) for k, v in res.items()]).round(3)
-    text = "\n".join([
+    text = write_report(
+        args.out,
         "# Several draws of one policy: cost against one draw (kvcert.bench.draws)",
-        "",
-        f"CPU: {cpu}, {args.threads} thread(s); {args.model}, {args.tokens}-token prompt, budget 0.5, {args.steps} "
-        f"new tokens, serving mode with the certificate; medians of {args.reps} alternating repetitions.",
-        "",
-        markdown_table(table),
-        "",
-    ])  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), results=res), indent=2))
+        f"{args.threads} thread(s); {args.model}, {args.tokens}-token prompt, budget 0.5, {args.steps} new tokens, "
+        f"serving mode with the certificate; medians of {args.reps} alternating repetitions.",
+        [dict(config=k, **v) for k, v in res.items()],
+        args,
+        res,
+    )
     print(text)
     return 0
 

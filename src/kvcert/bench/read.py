@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from kvcert.bench.common import DEFAULT_MODEL, load, policy_grid, synthetic_prompt
-from kvcert.records import cpu_model
+from kvcert.bench.common import DEFAULT_MODEL, load, policy_grid, synthetic_prompt, write_report
 
 # the parts of a read, by the function that does each (module path fragment, function name)
 PARTS = {
@@ -94,31 +91,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="results/bench/read_cpu")
     args = ap.parse_args(argv)
-    import pandas as pd
-
-    from kvcert.analysis.tables import markdown_table
-
     torch.set_num_threads(args.threads)
     model, _ = load(args.model, "cpu", "float32")
     ids, qs = synthetic_prompt(model, args.tokens)
     res = measure(model, ids, qs, args.grid, args.reps)
     rows = [dict(workload=k, policies=v["policies"], plain_s=v["plain_s"], read_s=v["read_s"], ratio=v["ratio"],
                  **{f"{p} s": s for p, s in v["parts_s"].items()}) for k, v in res.items()]  # fmt: skip
-    cpu = cpu_model()
-    text = "\n".join([
+    text = write_report(
+        args.out,
         "# Compressing while reading against one plain forward (kvcert.bench.read)",
-        "",
-        f"CPU: {cpu}, {args.threads} thread(s); {args.model}, {args.tokens}-token prompt; serving mode, certificate "
-        f"on; read and plain forward alternating, medians of {args.reps}; the parts from one profiled read (cProfile "
-        "cumulative seconds, inflated by the profiler).",
-        "",
-        markdown_table(pd.DataFrame(rows).round(3)),
-        "",
-    ])  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(text)
-    out.with_suffix(".json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), results=res), indent=2))
+        f"{args.threads} thread(s); {args.model}, {args.tokens}-token prompt; serving mode, certificate on; read and "
+        f"plain forward alternating, medians of {args.reps}; the parts from one profiled read (cProfile cumulative "
+        "seconds, inflated by the profiler).",
+        rows,
+        args,
+        res,
+    )
     print(text)
     return 0
 
