@@ -147,16 +147,18 @@ def test_answer_scope_escalation_restarts_the_answer_as_full_cache_greedy(tiny_s
         Escalation(threshold=1.0, scope="sentence")
 
 
-def test_the_default_escalation_is_study_4s_answer_level_certificate_rule(tiny_smol):
-    """escalate="auto" (the default) is DEFAULT_ESCALATION where a calibration gives its threshold: an answer whose
-    largest certificate crosses the 20%-rate threshold is restarted with the full cache (= plain transformers greedy
-    on the prompt); under it nothing changes (= escalate=None); without a calibration, or for the full cache, the
-    default does nothing."""
+def test_no_escalation_by_default_and_study4_is_study_4s_answer_level_certificate_rule(tiny_smol):
+    """The default (study 5's pre-registered product rule) escalates nothing, even with a threshold every answer
+    crosses. escalate="study4" is STUDY4_ESCALATION where a calibration gives its threshold: an answer whose largest
+    certificate crosses the 20%-rate threshold is restarted with the full cache (= plain transformers greedy on the
+    prompt); under it nothing changes (= escalate=None); without a calibration, or for the full cache, it does
+    nothing. "auto" (the old default's name) is the same rule, with a FutureWarning naming "study4"."""
     from dataclasses import replace
 
-    from kvcert.serve.generate import DEFAULT_ESCALATION
+    from kvcert.serve.generate import DEFAULT_ESCALATION, STUDY4_ESCALATION
 
-    assert DEFAULT_ESCALATION == Escalation() == Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
+    assert STUDY4_ESCALATION == DEFAULT_ESCALATION == Escalation()
+    assert Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0) == STUDY4_ESCALATION
     model, tok = tiny_smol
     ex = _example(tok, seed=7008)
     policy = default_policy(0.25)
@@ -164,21 +166,26 @@ def test_the_default_escalation_is_study_4s_answer_level_certificate_rule(tiny_s
     low, high = replace(base, thresholds={"0.1": 1e9, "0.2": -1.0}), replace(base, thresholds={"0.2": 1e9})
     kw = dict(context=ex.context, question=ex.question, policy=policy, model_name="tiny", max_new_tokens=6)
     with no_eos(model):
-        restarted = generate(model, tok, calibration=low, **kw)
-        kept = generate(model, tok, calibration=high, **kw)
+        default = generate(model, tok, calibration=low, **kw)
+        restarted = generate(model, tok, calibration=low, escalate="study4", **kw)
+        with pytest.warns(FutureWarning, match="escalate='study4'"):
+            renamed = generate(model, tok, calibration=low, escalate="auto", **kw)
+        kept = generate(model, tok, calibration=high, escalate="study4", **kw)
         off = generate(model, tok, calibration=high, escalate=None, **kw)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "no calibration"
-            uncalibrated = generate(model, tok, calibration=None, **kw)
-        full = generate(model, tok, **{**kw, "policy": FULL})
+            uncalibrated = generate(model, tok, calibration=None, escalate="study4", **kw)
+        full = generate(model, tok, **{**kw, "policy": FULL, "escalate": "study4"})
     ids, _, _ = build_prompt(tok, context=ex.context, question=ex.question, messages=None, prompt_format="auto")
     ref, _ = hf_greedy(model, ids, 6)
+    assert default.escalations == [] and default.escalation is None and default.tokens == off.tokens
     (esc,) = restarted.escalations
     assert (esc.token, esc.budget_to) == (0, 1.0) and "certificate" in esc.reason  # the rate-0.2 threshold, not 0.1's
     assert restarted.tokens == ref and restarted.kv_bytes == restarted.full_kv_bytes
+    assert renamed.tokens == restarted.tokens and len(renamed.escalations) == 1
     assert kept.escalations == [] and kept.tokens == off.tokens and kept.certificate == off.certificate
     assert uncalibrated.escalations == [] and full.escalations == [] and full.tokens == ref
-    with pytest.raises(ValueError, match="'auto', an Escalation or None"):
+    with pytest.raises(ValueError, match="pass None, 'study4', an Escalation or a RateEscalator"):
         generate(model, tok, calibration=high, escalate="always", **kw)
 
 
@@ -384,7 +391,7 @@ def test_calibrate_and_generate_on_the_packaged_model(tmp_path):
 
 def test_escalation_thresholds_are_the_budgets_own_when_the_file_has_them(tiny_smol):
     """A calibration with per-budget tables: the certificate threshold for a rate comes from the policy's budget
-    (the pooled table otherwise), and generate's default escalation acts on it."""
+    (the pooled table otherwise), and study 4's rule (escalate="study4") acts on it."""
     from dataclasses import replace
 
     cal = Calibration(model="m", n_layers=2, policy={}, budgets=[0.25, 0.5], multipliers=[1.0, 1.0],
@@ -398,9 +405,11 @@ def test_escalation_thresholds_are_the_budgets_own_when_the_file_has_them(tiny_s
     base = replace(_calibration(model, policy), thresholds={"0.2": 1e9})
     kw = dict(context=ex.context, question=ex.question, policy=policy, model_name="tiny", max_new_tokens=4)
     with no_eos(model):
-        pooled = generate(model, tok, calibration=base, **kw)
-        own = generate(model, tok, calibration=replace(base, budget_thresholds={"0.25": {"0.2": -1.0}}), **kw)
-        other = generate(model, tok, calibration=replace(base, budget_thresholds={"0.5": {"0.2": -1.0}}), **kw)
+        pooled = generate(model, tok, calibration=base, escalate="study4", **kw)
+        own = generate(model, tok, calibration=replace(base, budget_thresholds={"0.25": {"0.2": -1.0}}),
+                       escalate="study4", **kw)  # fmt: skip
+        other = generate(model, tok, calibration=replace(base, budget_thresholds={"0.5": {"0.2": -1.0}}),
+                         escalate="study4", **kw)  # fmt: skip
     assert pooled.escalations == [] and other.escalations == [] and len(own.escalations) == 1
 
 

@@ -19,7 +19,7 @@ from kvcert.policy import FULL
 from kvcert.serve import Calibration, Escalation, generate
 from kvcert.serve.calibration import POLICY_FIELDS, shipped
 from kvcert.serve.cli import main
-from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Generation, Token, default_policy
+from kvcert.serve.generate import STUDY4_ESCALATION, Escalated, Generation, Token, default_policy
 from kvcert.serve.html import render_html
 from kvcert.tasks import make_examples
 
@@ -165,8 +165,12 @@ def _one_error_line(capsys, *phrases: str) -> str:
         (["--budget", "1.5"], ["the budget 1.5 is outside (0, 1]"]),
         (["--budget", "a quarter"], ["is not a number"]),
         (["--max-new-tokens", "0"], ["max_new_tokens 0 is below 1; pass"]),
-        (["--escalate", "2"], ["--escalate 2 is outside (0, 1); pass auto, none or a rate"]),
-        (["--escalate", "banana"], ["--escalate 'banana' is not a valid value; pass auto, none or a rate in (0, 1)"]),
+        (["--escalate", "2"], ["--escalate 2 is outside (0, 1); pass none, study4 or a rate"]),
+        (["--escalate", "banana"], ["--escalate 'banana' is not a valid value; pass none, study4 or a rate in (0, 1)"]),
+        (
+            ["--escalate-signal", "agreement", "--draws", "2"],
+            ["--escalate-signal agreement needs a rate; pass --escalate"],
+        ),
         (["--calibration", "none", "--escalate", "0.1"], ["--escalate needs a calibration"]),
         (["--calibration", "no-such.json"], ["calibration file no-such.json does not exist; pass"]),
         (["--tolerance", "0"], ["--tolerance 0 is not positive"]),
@@ -213,8 +217,8 @@ def test_help_names_every_generate_option_with_its_default(capsys):
         "the most tokens the answer may have (default 64)",
         "seed of the randomized design's draws (default 0)",
         "that crossed (default answer)",
-        "--escalate {auto,none,RATE}",
-        "(default auto)",
+        "--escalate {none,study4,RATE}",
+        "(default none)",
         "(default 0.25)",
         "Hugging Face hub id",
         "'Answer:' for a model without a chat template",
@@ -350,8 +354,17 @@ def test_generate_end_to_end_on_the_packaged_smollm2(tmp_path, capsys):
     assert 1 <= len(data["steps"]) <= 16
     assert all(isinstance(s["certificate"], float) and s["trusted"] for s in data["steps"])  # shipped calibration
     assert data["calibration"] == f"{SMOL}: shipped"
-    # the default escalation (study 4's rule): either the answer kept its compressed cache, or it was restarted once,
+    # no escalation by default (study 5): the answer is the compressed cache's, and the legend runs to its own top
+    assert data["escalations"] == [] and data["threshold"] is None and 0 < data["kv_bytes"] < data["full_kv_bytes"]
+    assert data["summary"].startswith("answer from window_question x randomized @ 0.25: certificate max ")
+    page = out_html.read_text()
+    assert len(TOKEN_SPAN.findall(page)) == len(data["steps"])
+    assert "no certificate escalation threshold applied" in page
+    # --escalate study4 (study 4's rule): either the answer kept its compressed cache, or it was restarted once,
     # from its first token, with the full cache
+    assert main([*args, "--escalate", "study4"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out_json.read_text())
     if data["escalations"]:
         (esc,) = data["escalations"]
         assert esc["token"] == 0 and esc["budget_to"] == 1.0 and data["kv_bytes"] == data["full_kv_bytes"]
@@ -361,10 +374,9 @@ def test_generate_end_to_end_on_the_packaged_smollm2(tmp_path, capsys):
         assert data["summary"].startswith("answer from window_question x randomized @ 0.25: certificate max ")
         assert 0 < data["kv_bytes"] < data["full_kv_bytes"]
     page = out_html.read_text()
-    assert len(TOKEN_SPAN.findall(page)) == len(data["steps"])
     # the legend's scale is the threshold the escalation used: the shipped file's for budget 0.25, not the pooled one
-    threshold = shipped(SMOL).threshold(DEFAULT_ESCALATION.rate, 0.25)
-    assert data["threshold"] == threshold != shipped(SMOL).threshold(DEFAULT_ESCALATION.rate)
+    threshold = shipped(SMOL).threshold(STUDY4_ESCALATION.rate, 0.25)
+    assert data["threshold"] == threshold != shipped(SMOL).threshold(STUDY4_ESCALATION.rate)
     assert f"certificate 0 &rarr; {threshold:.3g} (the escalation threshold" in page
 
 

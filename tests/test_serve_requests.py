@@ -19,7 +19,7 @@ from kvcert import Calibration, generate
 from kvcert.bench.common import no_eos
 from kvcert.serve.calibration import POLICY_FIELDS
 from kvcert.serve.cli import main
-from kvcert.serve.generate import DEFAULT_ESCALATION, default_policy
+from kvcert.serve.generate import STUDY4_ESCALATION, default_policy
 from kvcert.serve.html import render_html
 from kvcert.serve.validate import validate_request
 from kvcert.tasks import make_examples
@@ -114,8 +114,8 @@ def test_the_summary_and_the_page_say_first_which_cache_the_answer_came_from(tin
     high = replace(low, budget_thresholds={"0.25": {"0.2": 1e9}})
     kw = dict(context=ex.context, question=ex.question, budget=0.25, model_name="tiny", max_new_tokens=6)
     with no_eos(model):
-        restarted = generate(model, tok, calibration=low, **kw)
-        kept = generate(model, tok, calibration=high, **kw)
+        restarted = generate(model, tok, calibration=low, escalate="study4", **kw)
+        kept = generate(model, tok, calibration=high, escalate="study4", **kw)
     (esc,) = restarted.escalations
     assert esc.threshold == restarted.threshold == 0.000123 and esc.scope == "answer"
     line = restarted.summary()
@@ -148,7 +148,7 @@ def test_the_commands_legend_threshold_is_the_escalations(tmp_path, monkeypatch,
     out_json, out_html = tmp_path / "a.json", tmp_path / "a.html"
     args = ["generate", "--model", SMOL, "--context-file", str(doc), "--question", ex.question, "--budget", "0.25",
             "--max-new-tokens", "4", "--calibration", str(path), "--json", str(out_json),
-            "--html", str(out_html)]  # fmt: skip
+            "--html", str(out_html), "--escalate", "study4"]  # fmt: skip
     with no_eos(model):
         assert main(args) == 0
     out = capsys.readouterr().out
@@ -158,7 +158,7 @@ def test_the_commands_legend_threshold_is_the_escalations(tmp_path, monkeypatch,
     data = json.loads(out_json.read_text())
     page = out_html.read_text()
     assert printed and printed.group(1) == "0.000123" and data["threshold"] == 0.000123
-    assert data["escalation"]["rate"] == DEFAULT_ESCALATION.rate and data["escalations"][0]["threshold"] == 0.000123
+    assert data["escalation"]["rate"] == STUDY4_ESCALATION.rate and data["escalations"][0]["threshold"] == 0.000123
     assert LEGEND.findall(page) == [printed.group(1)] and "0.827" not in page
     assert data["summary"].startswith("answer from the full cache (restarted from budget 0.25: ")
     assert f"<title>kvcert generate: {SMOL}, answer from the full cache" in page

@@ -6,7 +6,16 @@ from typing import TYPE_CHECKING
 
 from kvcert.serve.calibration import Calibration, CalibrationError
 from kvcert.serve.escalator import RateEscalator
-from kvcert.serve.generate import DEFAULT_ESCALATION, Escalated, Escalation, Generation, Token, default_policy, generate
+from kvcert.serve.generate import (
+    DEFAULT_ESCALATION,
+    STUDY4_ESCALATION,
+    Escalated,
+    Escalation,
+    Generation,
+    Token,
+    default_policy,
+    generate,
+)
 
 if TYPE_CHECKING:
     from kvcert.hf.loading import ALIASES, load_model
@@ -37,6 +46,7 @@ __all__ = [
     "Escalation",
     "Generation",
     "RateEscalator",
+    "STUDY4_ESCALATION",
     "Token",
     "default_policy",
     "generate",

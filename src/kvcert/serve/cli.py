@@ -1,7 +1,7 @@
 """The `kvcert` command: certified generation for one prompt and the calibration it uses.
 
     kvcert generate --model smollm2 --context-file doc.txt --question "Who wrote it?" --budget 0.25 \
-        [--max-new-tokens 64] [--calibration FILE|none] [--escalate auto|0.1|none] [--escalate-scope answer|token] \
+        [--max-new-tokens 64] [--calibration FILE|none] [--escalate none|study4|0.1] [--escalate-scope answer|token] \
         [--escalate-signal certificate|agreement] [--draws 2 [--draws-variant independent|split]] \
         [--tolerance 0.1 [--ladder 0.125,0.25,0.5,1]] [--json out.json] [--html out.html]
     kvcert calibrate --model smollm2 [--tasks single_needle,fact_qa | --data file.jsonl] [--lengths 1024] [--n 20] \
@@ -109,18 +109,21 @@ def _calibration_arg(text: str | None, model_name: str, budget: float):
 
 
 def _escalate_arg(text: str | None, scope: str = "answer", signal: str = "certificate", draws=None):
-    from kvcert.serve.generate import AUTO, Escalation
+    from kvcert.serve.generate import AUTO, STUDY4, Escalation
 
-    if text is not None and text.lower() == "none":
-        return None
+    if text is None or text.lower() == "none":
+        if signal == "agreement":  # asked for a signal and no rate to act on it
+            raise UsageError("--escalate-signal agreement needs a rate; pass --escalate 0.2")
+        return None  # generate's default since study 5: no escalation unless asked for
     if signal == "agreement" and draws is None:
         raise UsageError("--escalate-signal agreement needs several draws; pass --draws 2")
     if signal == "agreement" and scope != "answer":
         raise UsageError("--escalate-signal agreement scores the whole answer; pass --escalate-scope answer")
-    if text is None or text.lower() == AUTO:
-        if signal == "agreement":  # auto is study 4's certificate rule: the agreement needs its rate
-            raise UsageError("--escalate-signal agreement needs a rate; pass --escalate 0.2 (auto: the certificate)")
-        return AUTO  # generate's default: study 4's answer-level certificate escalation where a calibration applies
+    if text.lower() in (STUDY4, AUTO):
+        if signal == "agreement":  # study4 is the certificate rule: the agreement needs its rate
+            raise UsageError("--escalate-signal agreement needs a rate; pass --escalate 0.2 (study4: the certificate)")
+        return text.lower()  # study 4's certificate escalation where a calibration applies ("auto": its old name,
+        # which generate still takes with a warning)
     try:
         rate = float(text)
     except ValueError:

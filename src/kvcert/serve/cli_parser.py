@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 DEFAULT_TASKS = "single_needle,multikey_needle,fact_qa"
-ESCALATE_CHOICES = "auto, none or a rate in (0, 1) such as 0.1"
+ESCALATE_CHOICES = "none, study4 or a rate in (0, 1) such as 0.1"
 
 
 def _generate_parser(sub) -> None:
@@ -38,11 +38,12 @@ def _generate_parser(sub) -> None:
     g.add_argument("--calibration", default=None, help="a `kvcert calibrate` file, or none (default: the shipped one)")
     g.add_argument(
         "--escalate",
-        default="auto",
-        metavar="{auto,none,RATE}",
-        help="auto: study 4's rule, the answer restarted with the full cache when its largest certificate crosses "
-        "the calibration's threshold for a 20%% escalation rate at the budget; none: never; a rate in (0, 1) such as "
-        "0.1: that share of answers, by the calibration's threshold for it (default %(default)s)",
+        default="none",
+        metavar="{none,study4,RATE}",
+        help="none: never (study 5 found no per-answer trigger that beats confidence inside one kind of prompt); "
+        "study4: study 4's rule, the answer restarted with the full cache when its largest certificate crosses the "
+        "calibration's threshold for a 20%% escalation rate at the budget; a rate in (0, 1) such as 0.1: that share "
+        "of answers, by the calibration's threshold for it (default %(default)s)",
     )
     g.add_argument(
         "--escalate-scope",

@@ -1,8 +1,9 @@
 """Certified generation for one prompt: `generate` reads the prompt once, keeps a compressed cache (serving mode:
-the full cache never exists), decodes greedily and gives every token a calibrated certificate. By default
-(`escalate="auto"`) it escalates as study 4 decided: when the answer's largest certificate so far crosses the
-calibration's threshold for a 20% escalation rate, the answer is discarded and decoded again with the full cache
-(`DEFAULT_ESCALATION`); `escalate=None` turns that off, and any `Escalation` replaces it.
+the full cache never exists), decodes greedily and gives every token a calibrated certificate. It escalates only
+when asked (`escalate=None` by default, as study 5's pre-registered rule decided: no per-answer signal beat
+confidence inside one kind of prompt). `escalate="study4"` applies study 4's rule (`STUDY4_ESCALATION`: when the
+answer's largest certificate so far crosses the calibration's threshold for a 20% escalation rate, the answer is
+discarded and decoded again with the full cache); any `Escalation` or `RateEscalator` sets another.
 
     from kvcert import generate, load_model
     model, tokenizer = load_model("smollm2-135m-instruct")
@@ -42,6 +43,8 @@ from kvcert.serve.stream import (
     DEFAULT_ESCALATION,
     SCOPES,
     SIGNALS,
+    STUDY4,
+    STUDY4_ESCALATION,
     Escalated,
     Escalation,
     Token,
@@ -58,6 +61,8 @@ __all__ = [
     "AUTO",
     "DEFAULT_ESCALATION",
     "SCOPES",
+    "STUDY4",
+    "STUDY4_ESCALATION",
     "SIGNALS",
     "Escalated",
     "Escalation",
@@ -204,7 +209,7 @@ def generate(
     budget: float = 0.25,
     policy: Policy | None = None,
     calibration="auto",
-    escalate: Escalation | RateEscalator | str | None = AUTO,
+    escalate: Escalation | RateEscalator | str | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     on_token: Callable[[Token | Escalated], None] | None = None,
     prompt_format: str | None = None,
@@ -219,10 +224,11 @@ def generate(
     """Greedy generation from a compressed cache with a per-token certificate (see the module docstring).
 
     policy: default the studies' randomized policy at `budget` (`default_policy`); calibration: "auto" (the shipped
-    file of a packaged model), a path, a Calibration, or None; escalate: an Escalation or None; on_token(token) is
-    called for each token as it is produced (streaming), and with the Escalated event when an answer-scope
-    escalation restarts the answer (the tokens streamed before it are void); prompt_format: chat / plain / auto
-    (default: the packaged model's, else auto); seed: the design's random draws; probe: measure the prefill probe
+    file of a packaged model), a path, a Calibration, or None; escalate: None (the default: never), "study4" (study
+    4's certificate rule, `STUDY4_ESCALATION`, where a calibration gives its threshold) or an Escalation;
+    on_token(token) is called for each token as it is produced (streaming), and with the Escalated event when an
+    answer-scope escalation restarts the answer (the tokens streamed before it are void); prompt_format: chat / plain /
+    auto (default: the packaged model's, else auto); seed: the design's random draws; probe: measure the prefill probe
     (`Generation.probe`); tolerance: choose the budget from `ladder` by the probe (kvcert.serve.probe; `budget` is
     then ignored and the chosen budget reported in `Generation.budget_choice`); answer_prefix: text the answer starts
     with, read as part of the prompt and not returned; None (the default): "Answer:" for a model without a chat

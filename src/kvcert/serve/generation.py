@@ -41,7 +41,7 @@ class Generation:
     probe: Probe | None = None  # the prefill probe of the cache the answer started from (kvcert.serve.probe)
     budget_choice: BudgetChoice | None = None  # with tolerance=: the ladder's probe errors and the budget chosen
     answer_prefix: str = ""  # read as part of the prompt, not part of `text`
-    escalation: Escalation | None = None  # the rule that applied (escalate="auto" resolved), None without one
+    escalation: Escalation | None = None  # the rule that applied (escalate="study4" resolved), None without one
     threshold: float | None = None  # that rule's threshold in its signal's unit (the one each Escalated names)
     draws: Draws | None = None  # the draws decoded (draws=); None: one draw (or the full cache, which needs none)
     # the draws' agreement about draw 0's answer: the answer, or after a restart the answer it discarded

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -26,7 +27,12 @@ if TYPE_CHECKING:
 SIGNALS = ("certificate", "confidence", "probe", "combined", "random", "agreement")
 CALIBRATED_SIGNALS = ("certificate", "probe", "combined", "agreement")  # a calibration file can give their thresholds
 SCOPES = ("token", "answer")
-AUTO = "auto"  # generate(escalate=AUTO): DEFAULT_ESCALATION where a calibration gives its threshold, else none
+STUDY4 = "study4"  # generate(escalate=STUDY4): STUDY4_ESCALATION where a calibration gives its threshold, else none
+AUTO = "auto"  # the old default's name for STUDY4: still accepted, with a warning (study 5 dropped the default)
+AUTO_RENAMED = (
+    "escalate='auto' is now escalate='study4' (study 4's certificate rule) and no longer the default: study 5 found "
+    "no per-answer trigger that beats confidence inside one kind of prompt; pass escalate='study4' to keep it"
+)
 NEEDS_DRAWS = "{what} needs several draws of the policy: pass draws=2 (or a kvcert.hf.draws.Draws) to generate"
 
 
@@ -53,7 +59,8 @@ class Escalation:
     thresholds are quantiles of exactly this answer-level score, so `rate` is the share of answers restarted.
 
     The defaults, `Escalation()` (answer scope, the certificate, rate 0.2, to the full cache), are study 4's winner
-    and `generate`'s default escalation (docs/generate.md: what it was shown to do, and what it was not)."""
+    (`STUDY4_ESCALATION`, `generate(escalate="study4")`). `generate` escalates only when asked: study 5 found no
+    per-answer signal that beats confidence inside one kind of prompt (docs/generate.md)."""
 
     signal: str = "certificate"
     threshold: float | None = None
@@ -80,8 +87,11 @@ class Escalation:
 
 
 # study 4's winner (preregistration/study4/PLAN.md section 7: P1 supported on both packaged models): restart the
-# answer with the full cache when its largest certificate so far crosses the calibration's 20%-rate threshold
-DEFAULT_ESCALATION = Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
+# answer with the full cache when its largest certificate so far crosses the calibration's 20%-rate threshold. It was
+# generate's default until study 5 (PLAN.md section 7: P1 and P3 not supported on both models) dropped the default:
+# it wins between kinds of prompt, not inside one (results/study4/exploratory_addendum.md). Explicit now.
+STUDY4_ESCALATION = Escalation(scope="answer", signal="certificate", rate=0.2, budget=1.0)
+DEFAULT_ESCALATION = STUDY4_ESCALATION  # the old name, kept importable
 
 
 @dataclass
@@ -289,29 +299,31 @@ def answer_confidence(logprobs: list[float], n_answer: int, *, first_exact: bool
 def resolve_rule(
     escalate, cal: Calibration | None, policy: Policy, draws: Draws | None
 ) -> tuple[Escalation | None, float | None, RateEscalator | None]:
-    """(the rule the stream applies, its threshold, the RateEscalator asked after each answer). escalate="auto" ->
-    DEFAULT_ESCALATION where it can act (a compressing policy below its budget and a calibration with its
-    threshold), else None; an Escalation or None as given (its threshold from the calibration when None); a
-    RateEscalator decides after the answer, so its rule never fires in the stream."""
+    """(the rule the stream applies, its threshold, the RateEscalator asked after each answer). escalate="study4"
+    (or the old "auto", with a warning) -> STUDY4_ESCALATION where it can act (a compressing policy below its budget
+    and a calibration with its threshold), else None; an Escalation or None as given (its threshold from the
+    calibration when None); a RateEscalator decides after the answer, so its rule never fires in the stream."""
     if isinstance(escalate, RateEscalator):
         if escalate.signal == "agreement" and draws is None:
             raise ValueError(NEEDS_DRAWS.format(what="RateEscalator(signal='agreement')"))
         return Escalation(signal=escalate.signal, threshold=math.inf), math.inf, escalate
     if isinstance(escalate, str):
-        if escalate != AUTO:
-            raise ValueError(f"escalate={escalate!r}: pass 'auto', an Escalation or None (or a RateEscalator)")
-        if policy.is_full or cal is None or policy.budget >= DEFAULT_ESCALATION.budget:
+        if escalate == AUTO:
+            warnings.warn(AUTO_RENAMED, FutureWarning, stacklevel=3)
+        elif escalate != STUDY4:
+            raise ValueError(f"escalate={escalate!r}: pass None, 'study4', an Escalation or a RateEscalator")
+        if policy.is_full or cal is None or policy.budget >= STUDY4_ESCALATION.budget:
             return None, None, None
         try:
-            cal.signal_threshold(DEFAULT_ESCALATION.signal, DEFAULT_ESCALATION.rate, budget=policy.budget)
+            cal.signal_threshold(STUDY4_ESCALATION.signal, STUDY4_ESCALATION.rate, budget=policy.budget)
         except CalibrationError:  # an older calibration file without escalation thresholds
             return None, None, None
-        escalate = DEFAULT_ESCALATION
+        escalate = STUDY4_ESCALATION
     if escalate is None:
         return None, None, None
     if not isinstance(escalate, Escalation):
         raise ValueError(
-            f"escalate= takes 'auto', an Escalation or None (or a RateEscalator), got {type(escalate).__name__}"
+            f"escalate= takes None, 'study4', an Escalation or a RateEscalator, got {type(escalate).__name__}"
         )
     threshold = escalate.threshold
     if escalate.signal == "agreement" and draws is None:
