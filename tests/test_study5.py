@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -153,3 +155,56 @@ def test_random_control_means_the_same_on_both_splits():
     cut = threshold(random_score(cal), 0.2)
     assert abs((random_score(conf) > cut).mean() - 0.2) < 0.05
     assert random_score(conf.iloc[::-1])[::-1].tolist() == random_score(conf).tolist()  # per id, not per position
+
+
+# ------------------------------------------------------------------------------------------- make reproduce's check
+def _study5_tree(tmp_path):
+    """A copy of study 5's design, predictions and SmolLM2's published records under tmp_path."""
+    import shutil
+
+    for name in ("design.yaml", "predictions_smollm2.yaml"):
+        (tmp_path / "preregistration/study5").mkdir(parents=True, exist_ok=True)
+        shutil.copy(f"preregistration/study5/{name}", tmp_path / "preregistration/study5" / name)
+    (tmp_path / "results/study5/smollm2/regenerated").mkdir(parents=True)
+    shutil.copy("results/study5/smollm2/answers.jsonl", tmp_path / "results/study5/smollm2/answers.jsonl")
+    return [json.loads(line) for line in open("results/study5/smollm2/answers.jsonl")]
+
+
+def test_the_full_regeneration_check_judges_answers_signals_and_verdicts(tmp_path, monkeypatch):
+    """make reproduce's study-5 step on the published records: an identical regeneration passes with a row per signal
+    and per claim; a disagreement moved by 3e-3 on one row fails (tolerance 2e-3); a different answer on 6% of rows
+    fails; a regeneration missing examples is refused in one line."""
+    from kvcert.studies.study5 import analysis
+    from kvcert.studies.study5.regeneration import full_regeneration_check
+
+    monkeypatch.setattr(analysis, "N_BOOT", 200)
+    rows = _study5_tree(tmp_path)
+    regen = tmp_path / "results/study5/smollm2/regenerated/answers.jsonl"
+
+    def write(rs):
+        regen.write_text("".join(json.dumps(r) + "\n" for r in rs))
+
+    write(rows)
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    table = _report_rows(text)
+    assert passed and "all 480 examples regenerated: **PASS**" in text
+    assert table["identical answers (draw 0, full cache, every draw)"]["value"] == f"{len(rows)} / {len(rows)}"
+    for signal in ("certificate (rel", "confidence (abs", "disagreement_r3 (abs", "disagreement_split (abs"):
+        assert table[f"{signal} difference, identical answers)"]["result"] == "pass"
+    assert sum(k.endswith(" verdict") for k in table) == 5
+    write([dict(r, disagreement_r3=r["disagreement_r3"] + 3e-3) if i == 11 else r for i, r in enumerate(rows)])
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    row = _report_rows(text)["disagreement_r3 (abs difference, identical answers)"]
+    assert not passed and row["result"] == "FAIL" and float(row["value"]) == pytest.approx(3e-3, rel=1e-3)
+    n_bad = int(0.06 * len(rows))
+    write([dict(r, answer=r["answer"] + "x") if i < n_bad else r for i, r in enumerate(rows)])
+    passed, text = full_regeneration_check("smollm2", tmp_path)
+    assert not passed and _report_rows(text)["identical answers (draw 0, full cache, every draw)"]["result"] == "FAIL"
+    write(rows[:-2])
+    with pytest.raises(SystemExit, match="lacks 1 examples"):
+        full_regeneration_check("smollm2", tmp_path)
+
+
+def _report_rows(text: str) -> dict[str, dict[str, str]]:
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    return {row[0]: dict(zip(cells[0], row)) for row in cells[1:]}

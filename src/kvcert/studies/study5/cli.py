@@ -4,6 +4,9 @@ python -m kvcert.studies.study5 pilot --model smollm2|gemma3     the pilot's rec
 python -m kvcert.studies.study5 select                            the pilot rule -> preregistration/study5/design.yaml
 python -m kvcert.studies.study5 run --model smollm2|gemma3        the confirmatory records (after the lock; resumable)
 python -m kvcert.studies.study5 analyze [--partial]               claims, tables and report
+python -m kvcert.studies.study5 run --model M --regenerate         make reproduce: every record again, in
+                                                                   results/study5/<model>/regenerated/ (resumable)
+python -m kvcert.studies.study5 regenerate-check [-n 5 | --regenerated]   against the published records
 """
 
 from __future__ import annotations
@@ -78,9 +81,11 @@ def select(root: Path = Path(".")) -> dict:
     return design
 
 
-def run(tag: str, root: Path = Path(".")) -> Path:
-    """The confirmatory records of one model (after the lock), resumable."""
+def run(tag: str, root: Path = Path("."), regenerate: bool = False) -> Path:
+    """The confirmatory records of one model (after the lock), resumable; regenerate=True writes a full regeneration
+    to results/study5/<model>/regenerated/ instead (make reproduce), leaving the published records alone."""
     from kvcert.studies.study5.collect import collect
+    from kvcert.studies.study5.regeneration import REGENERATED
 
     if not (root / PREREG / "LOCK.json").is_file():
         raise SystemExit(
@@ -93,7 +98,13 @@ def run(tag: str, root: Path = Path(".")) -> Path:
     r_max = int(design["draws"]) if design["variant"] == "independent" else 2
     print(f"study5 {tag}: {len(examples)} examples, budgets {design['budgets']}, {r_max} draws + split halves")
     return collect(
-        model, tokenizer, examples, design["budgets"], root / RESULTS / tag, model_name=MODELS[tag], r_max=r_max
+        model,
+        tokenizer,
+        examples,
+        design["budgets"],
+        root / RESULTS / tag / (REGENERATED if regenerate else ""),
+        model_name=MODELS[tag],
+        r_max=r_max,
     )
 
 
@@ -136,12 +147,35 @@ def scorecard_cards(root: Path = Path(".")) -> dict[str, dict]:
     return cards
 
 
+def regenerate_check(n: int, regenerated: bool, tags: list[str], root: Path = Path(".")) -> int:
+    """Each model's regeneration report (results/study5/<model>/regeneration.md for the full one,
+    regeneration_check.md for -n); exit code 1 if any fails."""
+    from kvcert.studies.study5.regeneration import full_regeneration_check, regeneration_check
+
+    failed = []
+    for tag in tags:
+        passed, text = full_regeneration_check(tag, root) if regenerated else regeneration_check(tag, n, root)
+        name = "regeneration.md" if regenerated else "regeneration_check.md"
+        (root / RESULTS / tag / name).write_text(text)
+        print(text)
+        failed += [] if passed else [tag]
+    if failed:
+        print(f"study5 regeneration check FAILED for {', '.join(failed)}: a finding (DEVIATIONS first)")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvcert.studies.study5", description="Study 5: draws that disagree")
     sub = p.add_subparsers(dest="command", required=True)
     for name in ("pilot", "run"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True, choices=sorted(MODELS))
+        if name == "run":
+            s.add_argument("--regenerate", action="store_true", help="a full regeneration into <model>/regenerated/")
+    g = sub.add_parser("regenerate-check", help="rerun the first N published examples per model and compare")
+    g.add_argument("-n", type=int, default=5)
+    g.add_argument("--regenerated", action="store_true", help="compare the full regeneration (make reproduce)")
+    g.add_argument("--model", choices=sorted(MODELS), help="one model (default: both)")
     sub.add_parser("select")
     a = sub.add_parser("analyze")
     a.add_argument("--partial", action="store_true", help="an interim report on incomplete records (no claims)")
@@ -152,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         design = select()
         print(yaml.safe_dump({k: design[k] for k in ("variant", "draws", "form")}), end="")
     elif args.command == "run":
-        print(f"wrote {run(args.model)}")
+        print(f"wrote {run(args.model, regenerate=args.regenerate)}")
+    elif args.command == "regenerate-check":
+        return regenerate_check(args.n, args.regenerated, [args.model] if args.model else list(MODELS))
     else:
         from kvcert.studies.study5.analysis import analyze
 

@@ -1,0 +1,83 @@
+"""Each `make reproduce` step's wall time, in results/provenance.json:
+
+    python -m kvcert.studies.walltime study4 -- python -m kvcert.studies.study4 run --model smollm2 --regenerate
+
+runs the command unchanged (its output and exit code pass through) and appends one entry under
+"reproduce_wall_seconds" -> <study>: the command, its wall seconds, exit code, finish time, commit and CPU. A
+resumed step adds another entry, so a study's wall time is the sum of its entries (`totals`); a step killed by a
+signal is recorded with its exit code before it is re-raised. The file's other keys are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+PROVENANCE = Path("results/provenance.json")
+KEY = "reproduce_wall_seconds"
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return out.stdout.strip()
+
+
+def record(study: str, command: list[str], seconds: float, code: int, path: Path | None = None) -> dict:
+    """Append one step's entry to `path` (default PROVENANCE), written through a temporary file, so a kill never
+    leaves half a file."""
+    import fcntl
+
+    from kvcert.records import cpu_model
+
+    path = path or PROVENANCE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".json.lock"), "w") as lock:  # two lanes of make reproduce finish side by side
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _append(study, command, seconds, code, path, cpu_model())
+
+
+def _append(study: str, command: list[str], seconds: float, code: int, path: Path, cpu: str) -> dict:
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    entry = dict(command=" ".join(command), seconds=round(seconds, 1), exit_code=code, commit=_commit(),
+                 finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpu=cpu,
+                 cores=os.cpu_count())  # fmt: skip
+    data.setdefault(KEY, {}).setdefault(study, []).append(entry)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+    return entry
+
+
+def totals(path: Path | None = None) -> dict[str, float]:
+    """{study: wall seconds summed over its recorded steps} (steps of studies run side by side overlap)."""
+    path = path or PROVENANCE
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    return {study: round(sum(e["seconds"] for e in entries), 1) for study, entries in data.get(KEY, {}).items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 3 or args[1] != "--":
+        print("usage: python -m kvcert.studies.walltime <study> -- <command ...>", file=sys.stderr)
+        return 2
+    study, command = args[0], args[2:]
+    started = time.perf_counter()
+    try:
+        code = subprocess.call(command)
+    except KeyboardInterrupt:
+        record(study, command, time.perf_counter() - started, 130)
+        raise
+    record(study, command, time.perf_counter() - started, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
