@@ -111,3 +111,63 @@ def test_chunked_feed_forward_is_the_same_function_and_is_undone():
             chunked = mlp(x)
     torch.testing.assert_close(chunked, whole, rtol=1e-6, atol=1e-6)
     assert "forward" not in vars(mlp)
+
+
+# ------------------------------------------------------------------------------- one design call per policy group
+HALVES = {"topk": (None,), "randomized": (None, 0, 1)}
+GROUPED = [Policy(scorer=s, design=d, budget=b, floor=f, half=h)
+           for s in ("window_question", "streaming") for d in ("topk", "randomized")
+           for b in (0.1, 0.25, 0.5, 0.9) for f in (0.0, 0.2) for h in HALVES[d]]  # fmt: skip
+
+
+def test_grouped_selection_keeps_exactly_what_each_policy_keeps_alone():
+    """select_layers_together (one design call for policies of one group_key, any budgets) against each policy's own
+    select_layers on the same keys and uniforms: identical positions, offsets, 1 - pi, tail lengths and counts,
+    bit for bit (budget 0.9 caps inclusion probabilities at 1; halves split the tail)."""
+    from kvcert.hf.compress import Plan, PolicyDraws, group_key, select_layers, select_layers_together
+
+    gen = torch.Generator().manual_seed(3)
+    n, n_kv, d = 80, 3, 8
+    keys = torch.randn(1, n_kv, n, d, generator=gen)
+    queries = torch.randn(1, 6, 8, d, generator=gen)
+    groups: dict = {}
+    for policy in GROUPED:
+        plan = Plan.of(policy, region=n, forced=(n - 8, n))
+        groups.setdefault(group_key(policy, plan, (n - 8, n)), []).append((policy, plan))
+    assert None not in groups and len(groups) == 2 * (2 + 2 * 3)  # scorer x (topk x floor + randomized x floor x half)
+    for members in groups.values():
+        draws = [PolicyDraws.draw(p, torch.Generator().manual_seed(10 + k), (1, n_kv, plan.lo))
+                 for k, (p, plan) in enumerate(members)]  # fmt: skip
+        common = dict(layers=[0], window_queries=queries, scale=0.3, layer_windows=[None])
+        together = select_layers_together([p for p, _ in members], [pl for _, pl in members], keys, draws=draws,
+                                          score_cache={}, **common)  # fmt: skip
+        for (policy, plan), draw, (got,) in zip(members, draws, together):
+            (alone,) = select_layers(policy, keys, plan=plan, draws=draw, score_cache={}, **common)
+            assert got.tail_slots == alone.tail_slots, policy.label
+            for name in ("indices", "offset", "one_minus_pi", "drawn"):
+                a, b = getattr(got, name), getattr(alone, name)
+                assert a.shape == b.shape and torch.equal(a, b), (policy.label, name)
+
+
+def test_a_grid_read_with_groups_equals_the_read_policy_by_policy(monkeypatch):
+    """compress_while_reading on a grid (every scorer and design, two budgets) with policies grouped into one design
+    call, against the same read with every policy alone: the same kept sets, buffers and decoded answers, exactly."""
+    from kvcert.hf import compress as compress_module
+    from kvcert.hf import serving_prefill
+
+    model, _ = tiny_random_model("llama")
+    options = DecodeOptions(max_new_tokens=STEPS, oracle=False, backend="torch")
+    with no_eos(model):
+        grouped = compress_while_reading(model, _prompt(), POLICIES + GROUPED, options)
+        monkeypatch.setattr(serving_prefill, "group_key", lambda *a: None)
+        alone = compress_while_reading(model, _prompt(), POLICIES + GROUPED, options)
+        a, b = grouped.decode(options), alone.decode(options)
+    assert compress_module.group_key is not None
+    for comp_a, comp_b in zip(grouped.comps, alone.comps):
+        for name in ("indices", "offset", "one_minus_pi"):
+            assert all(torch.equal(x, y) for x, y in zip(getattr(comp_a, name), getattr(comp_b, name)))
+        assert comp_a.tail_slots == comp_b.tail_slots and comp_a.kept_tokens == comp_b.kept_tokens
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens and x.logprobs == y.logprobs, x.policy.label
+        for name in ("variance", "trace_c2", "out_norm"):
+            np.testing.assert_array_equal(x.stats[name], y.stats[name], err_msg=name)

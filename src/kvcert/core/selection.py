@@ -21,6 +21,7 @@ class Selection:
     tail_slots: int  # tail tokens occupy at most the first `tail_slots` entries of every row
     design: str
     has_certificate: bool  # False for deterministic designs: the certificate is undefined, not zero
+    tail_counts: torch.Tensor | None = None  # (...,) sampled tail tokens per row (tail_slots is their max)
 
     @property
     def one_minus_pi(self) -> torch.Tensor:
@@ -121,5 +122,6 @@ def assemble(
     off = -log_pi if offset else torch.zeros_like(log_pi)
     off = off.masked_fill(~valid, float("-inf"))
     indices = indices.masked_fill(~valid, 0)
-    tail_slots = int(tail.sum(-1).max()) if tail.numel() else 0
-    return Selection(indices, log_pi, off, valid, tail_slots, design, has_certificate)
+    tail_counts = tail.sum(-1)
+    tail_slots = int(tail_counts.max()) if tail.numel() else 0
+    return Selection(indices, log_pi, off, valid, tail_slots, design, has_certificate, tail_counts)

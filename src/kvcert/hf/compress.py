@@ -110,14 +110,77 @@ def select_layers(
     read it (ScorerSpec.reads_inputs: the ones ported from kvpress)."""
     n_layers, n_kv = len(layers), keys.shape[1]
     device = keys.device
-    lo, hi, region = plan.lo, plan.hi, plan.region
-    windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
+    region = plan.region
     if policy.is_full:  # every token (a sliding-window layer's mask hides those that left its window)
         idx = torch.arange(region, device=device).expand(n_kv, region)
         zeros = torch.zeros(n_kv, region, device=device)
         counts = torch.full((n_kv,), region, device=device)
         return [LayerKept(indices=idx, offset=zeros, one_minus_pi=zeros[:, :0], tail_slots=0, drawn=counts)] * n_layers
-    n_forced = hi - lo
+    scores = _scores(policy, keys, plan, window_queries, scale, draws, pool_kernel, score_cache, inputs, layers)
+    # the per-head counts (uniform: plan.n_keep for every head; adakv: shared by score mass within each layer)
+    n_keep = allocate(policy.allocation, scores, plan.n_keep)
+    sel = _design(policy, scores, n_keep, draws.tail)
+    omp = sel.one_minus_pi[..., : sel.tail_slots]
+    return _layer_kept(sel.indices, sel.offset, omp, sel.tail_slots, sel.kept_counts, plan, layers, layer_windows)
+
+
+def group_key(policy: Policy, plan: Plan, read: tuple[int, int] | None) -> tuple | None:
+    """Policies with equal keys (same scorer, candidates, design and its parameters; any budget) select in one design
+    call (`select_layers_together`); None: the policy selects alone."""
+    spec = SCORERS.get(policy.scorer)
+    if policy.is_full or spec is None or policy.scorer == "random" or spec.reads_budget:
+        return None
+    if policy.allocation != "uniform" or policy.design not in GROUPED_DESIGNS:
+        return None
+    return (policy.scorer, policy.design, policy.tail_fraction, policy.floor, policy.score_power, policy.half,
+            plan.lo, plan.hi, plan.region, read)  # fmt: skip
+
+
+GROUPED_DESIGNS = ("topk", "randomized")  # designs whose rows are independent given their count and uniforms
+
+
+def select_layers_together(
+    policies: list[Policy],
+    plans: list[Plan],
+    keys: torch.Tensor,
+    *,
+    layers: list[int],
+    window_queries: torch.Tensor | None,
+    scale: float,
+    draws: list[PolicyDraws],
+    pool_kernel: int = 5,
+    layer_windows: list[int | None] | None = None,
+    score_cache: dict | None = None,
+    inputs: ScorerInputs | None = None,
+) -> list[list[LayerKept]]:
+    """`select_layers` for policies of one `group_key`, in one design call: the shared scores are repeated once per
+    policy along the heads, each policy's rows with its own count and its own uniforms, and the selection is split
+    back, each policy's part cut to its own width and tail length. A design's rows are independent given their count
+    and uniforms, and the tail-first order of a row does not depend on the other rows, so every policy keeps exactly
+    the tokens, offsets and 1 - pi of its own `select_layers` call; the per-call work is done once per group."""
+    first, n_kv = policies[0], keys.shape[1]
+    scores = _scores(first, keys, plans[0], window_queries, scale, draws[0], pool_kernel, score_cache, inputs, layers)
+    n_pol = len(policies)
+    counts = torch.tensor([plan.n_keep for plan in plans], device=scores.device).repeat_interleave(n_kv)
+    stacked = scores.repeat(1, n_pol, 1)  # (layers, P * Hkv, candidates)
+    n_keep = counts.expand(stacked.shape[:-1]).contiguous()
+    tail = None if draws[0].tail is None else torch.cat([d.tail for d in draws], dim=1)
+    sel = _design(first, stacked, n_keep, tail)
+    omp_all = sel.one_minus_pi
+    out = []
+    for p, plan in enumerate(plans):
+        rows = slice(p * n_kv, (p + 1) * n_kv)
+        kept = sel.kept_counts[:, rows]
+        width = int(kept.max()) if kept.numel() else 0
+        slots = int(sel.tail_counts[:, rows].max()) if kept.numel() else 0
+        out.append(_layer_kept(sel.indices[:, rows, :width], sel.offset[:, rows, :width], omp_all[:, rows, :slots],
+                               slots, kept, plan, layers, layer_windows))  # fmt: skip
+    return out
+
+
+def _scores(policy, keys, plan, window_queries, scale, draws, pool_kernel, score_cache, inputs, layers) -> torch.Tensor:
+    """The policy's scores of its candidates (len(layers), Hkv, lo), float32 and >= 0, shared through score_cache."""
+    lo, hi = plan.lo, plan.hi
     # scores depend on the scorer, the candidates and the layers only, so policies that differ in design or budget
     # share them (random scores are the policy's own draws and never shared)
     spec = SCORERS.get(policy.scorer)
@@ -127,7 +190,7 @@ def select_layers(
     scores = score_cache.get(key) if score_cache is not None and policy.scorer != "random" else None
     if scores is None:
         if policy.scorer == "random":
-            scores = draws.scores.to(device)
+            scores = draws.scores.to(keys.device)
         elif spec.reads_inputs:  # the ported kvpress scorers: the layer's whole cache and model tensors too
             if inputs is None:
                 raise ValueError(f"scorer {policy.scorer!r} needs the layers' ScorerInputs")
@@ -139,7 +202,7 @@ def select_layers(
                 generator=None,
                 inputs=inputs,
                 n_keep=plan.n_keep,
-                n_forced=n_forced,
+                n_forced=hi - lo,
             )
         else:  # the original scorers: called exactly as before
             scores = spec.score(
@@ -147,24 +210,36 @@ def select_layers(
             )
         if score_cache is not None and policy.scorer != "random":
             score_cache[key] = scores
-    scores = scores.float().clamp_min(0)
-    # the per-head counts (uniform: plan.n_keep for every head; adakv: shared by score mass within each layer)
-    n_keep = allocate(policy.allocation, scores, plan.n_keep)
+    return scores.float().clamp_min(0)
+
+
+def _design(policy: Policy, scores: torch.Tensor, n_keep, uniforms: torch.Tensor | None):
     split = {} if policy.half is None else {"half": policy.half}  # only the randomized design splits its tail
-    sel = get_design(policy.design)(
+    return get_design(policy.design)(
         scores,
         n_keep,
         tail_fraction=policy.tail_fraction,
         floor=policy.floor,
         score_power=policy.score_power,
         generator=None,
-        draws=draws.tail,
+        draws=uniforms,
         **split,
     )
+
+
+def _layer_kept(
+    indices, offset, omp, tail_slots: int, kept_counts, plan: Plan, layers, layer_windows
+) -> list[LayerKept]:
+    """A selection (len(layers), Hkv, m) plus the always-kept tokens, as one LayerKept per layer (a sliding-window
+    layer keeps its window exactly instead)."""
+    n_layers, n_kv = indices.shape[0], indices.shape[1]
+    device = indices.device
+    lo, hi, region = plan.lo, plan.hi, plan.region
+    n_forced = hi - lo
+    windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
     always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
-    indices = torch.cat([sel.indices, always], dim=-1)
-    offset = torch.cat([sel.offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
-    omp = sel.one_minus_pi[..., : sel.tail_slots]
+    indices = torch.cat([indices, always], dim=-1)
+    offset = torch.cat([offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
     out = []
     for local, w in enumerate(windows):
         if w is None:
@@ -173,8 +248,8 @@ def select_layers(
                     indices=indices[local],
                     offset=offset[local],
                     one_minus_pi=omp[local],
-                    tail_slots=sel.tail_slots,
-                    drawn=sel.kept_counts[local],
+                    tail_slots=tail_slots,
+                    drawn=kept_counts[local],
                 )
             )
         else:  # keep the window exactly

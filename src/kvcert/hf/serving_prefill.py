@@ -19,7 +19,15 @@ from kvcert.hf.attention import (
     kvcert_attention_on,
     layer_windows,
 )
-from kvcert.hf.compress import Compressed, Plan, PolicyDraws, assemble_layers, select_layers
+from kvcert.hf.compress import (
+    Compressed,
+    Plan,
+    PolicyDraws,
+    assemble_layers,
+    group_key,
+    select_layers,
+    select_layers_together,
+)
 from kvcert.hf.compressed_batch import (
     CompressedBatch,
     KeptTokens,
@@ -74,32 +82,37 @@ class _LayerCompressor:
             generator = torch.Generator().manual_seed(policy.generator_seed(example_id))
             self.draws[i] = PolicyDraws.draw(policy, generator, (*shape, self.plans[i].lo))
             self.reads[i] = read  # the window whose queries the scorer reads (None: keys only)
+        self.groups = _groups(rows, {i: group_key(policies[i], self.plans[i], self.reads[i]) for i in rows})
         self.layers = {i: [None] * shape[0] for i in rows}  # LayerKept per layer
         self.tokens = {i: [None] * shape[0] for i in rows}  # (kept keys, kept values) per layer
 
     def __call__(self, layer: int, query, key, value) -> None:
         scores: dict = {}  # this layer's scores per scorer, shared by its policies
         inputs = None if self.model_tensors is None else self.model_tensors.inputs([layer], key, value, query)
-        for i in self.rows:
-            read = self.reads[i]
-            (kept,) = select_layers(
-                self.policies[i],
-                key,
-                layers=[layer],
-                plan=self.plans[i],
-                window_queries=None if read is None else query[:, :, read[0] : read[1]],
-                scale=self.scale,
-                draws=self.draws[i].take([layer]),
-                pool_kernel=self.pool_kernel,
-                layer_windows=self.windows,
-                score_cache=scores,
-                inputs=inputs,
-            )
-            if self.keep:
-                self.layers[i][layer] = kept
-                self.tokens[i][layer] = (_take_tokens(key[0], kept.indices), _take_tokens(value[0], kept.indices))
-            if self.probes is not None and kept.drawn is not None and not self.policies[i].is_full:
-                self.probes[i][layer] = self._probe(layer, read, query, key, value, kept)
+        for group in self.groups:
+            read = self.reads[group[0]]
+            common = dict(layers=[layer], window_queries=None if read is None else query[:, :, read[0] : read[1]],
+                          scale=self.scale, pool_kernel=self.pool_kernel, layer_windows=self.windows,
+                          score_cache=scores, inputs=inputs)  # fmt: skip
+            if len(group) == 1:
+                (i,) = group
+                found = {i: select_layers(self.policies[i], key, plan=self.plans[i],
+                                          draws=self.draws[i].take([layer]), **common)[0]}  # fmt: skip
+            else:  # one design call for the group (kvcert.hf.compress.select_layers_together: the same kept sets)
+                members = [self.policies[i] for i in group]
+                plans, draws = [self.plans[i] for i in group], [self.draws[i].take([layer]) for i in group]
+                together = select_layers_together(members, plans, key, draws=draws, **common)
+                found = {i: kept for i, (kept,) in zip(group, together)}
+            if self.keep:  # the group's kept tokens in one copy per tensor, split per policy
+                indices = [kept.indices for kept in found.values()]
+                both = [_take_tokens(x[0], torch.cat(indices, dim=-1)) for x in (key, value)]
+                widths = [ix.shape[-1] for ix in indices]
+                for (i, kept), k_part, v_part in zip(found.items(), *(x.split(widths, dim=1) for x in both)):
+                    self.layers[i][layer] = kept
+                    self.tokens[i][layer] = (k_part, v_part)
+            for i, kept in found.items():
+                if self.probes is not None and kept.drawn is not None and not self.policies[i].is_full:
+                    self.probes[i][layer] = self._probe(layer, read, query, key, value, kept)
 
     def _probe(self, layer: int, read, query, key, value, kept) -> ProbeResult:
         """The layer's exact error for the window's queries (kvcert.core.probe), in float32."""
@@ -125,6 +138,14 @@ class _LayerCompressor:
             return out
 
         return take
+
+
+def _groups(rows: list[int], keys: dict[int, tuple | None]) -> list[list[int]]:
+    """Rows with equal group keys together (in row order), each row with a None key alone."""
+    groups: dict = {}
+    for i in rows:
+        groups.setdefault(keys[i] if keys[i] is not None else ("alone", i), []).append(i)
+    return list(groups.values())
 
 
 @torch.no_grad()
