@@ -24,6 +24,7 @@ def test_a_timed_step_passes_its_exit_code_through_and_appends_its_seconds(tmp_p
     steps = data[walltime.KEY]
     assert [e["exit_code"] for e in steps["study4"]] == [0, 0] and steps["study5"][0]["exit_code"] == 3
     assert all(0.3 <= e["seconds"] < 30 for e in steps["study4"]) and steps["study4"][0]["cpu"]
+    assert steps["study4"][0]["commit"] == walltime._commit()  # the checkout the step started with
     totals = walltime.totals()
     assert totals["study4"] == round(sum(e["seconds"] for e in steps["study4"]), 1) >= 0.6
     assert walltime.main(["study4", "python"]) == 2  # no "--": the usage line, nothing run or recorded

@@ -5,7 +5,8 @@
 runs the command unchanged (its output and exit code pass through) and appends one entry under
 "reproduce_wall_seconds" -> <study>: the command, its wall seconds, exit code, finish time, commit and CPU. A
 resumed step adds another entry, so a study's wall time is the sum of its entries (`totals`); a step killed by a
-signal is recorded with its exit code before it is re-raised. The file's other keys are kept.
+signal is recorded with its exit code before it is re-raised. The commit is the one checked out when the step
+started. The file's other keys are kept.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def _commit() -> str | None:
     return out.stdout.strip()
 
 
-def record(study: str, command: list[str], seconds: float, code: int, path: Path | None = None) -> dict:
+def record(
+    study: str, command: list[str], seconds: float, code: int, path: Path | None = None, commit: str | None = None
+) -> dict:
     """Append one step's entry to `path` (default PROVENANCE), written through a temporary file, so a kill never
-    leaves half a file."""
+    leaves half a file; commit: the code the step ran (default: HEAD now)."""
     import fcntl
 
     from kvcert.records import cpu_model
@@ -41,12 +44,12 @@ def record(study: str, command: list[str], seconds: float, code: int, path: Path
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".json.lock"), "w") as lock:  # two lanes of make reproduce finish side by side
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _append(study, command, seconds, code, path, cpu_model())
+        return _append(study, command, seconds, code, path, cpu_model(), commit or _commit())
 
 
-def _append(study: str, command: list[str], seconds: float, code: int, path: Path, cpu: str) -> dict:
+def _append(study: str, command: list[str], seconds: float, code: int, path: Path, cpu: str, commit) -> dict:
     data = json.loads(path.read_text()) if path.is_file() else {}
-    entry = dict(command=" ".join(command), seconds=round(seconds, 1), exit_code=code, commit=_commit(),
+    entry = dict(command=" ".join(command), seconds=round(seconds, 1), exit_code=code, commit=commit,
                  finished=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpu=cpu,
                  cores=os.cpu_count())  # fmt: skip
     data.setdefault(KEY, {}).setdefault(study, []).append(entry)
@@ -69,13 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m kvcert.studies.walltime <study> -- <command ...>", file=sys.stderr)
         return 2
     study, command = args[0], args[2:]
+    commit = _commit()  # the code the step starts with (a checkout may move on while it runs)
     started = time.perf_counter()
     try:
         code = subprocess.call(command)
     except KeyboardInterrupt:
-        record(study, command, time.perf_counter() - started, 130)
+        record(study, command, time.perf_counter() - started, 130, commit=commit)
         raise
-    record(study, command, time.perf_counter() - started, code)
+    record(study, command, time.perf_counter() - started, code, commit=commit)
     return code
 
 
