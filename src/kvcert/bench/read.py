@@ -21,13 +21,13 @@ import torch
 
 from kvcert.bench.common import DEFAULT_MODEL, load, policy_grid, synthetic_prompt, write_report
 
-# the parts of a read, by the function that does each (module path fragment, function name)
+# the parts of a read, by the functions that do each (module path fragment, function names)
 PARTS = {
-    "selection (scores, design)": ("hf/compress.py", "select_layers"),
-    "copy out of the layer": ("hf/compressed_batch.py", "_take_tokens"),
-    "decode buffers": ("hf/compressed_batch.py", "_build_bucket"),
-    "attention (prompt)": ("hf/attention.py", "causal_attention"),
-    "probe": ("hf/serving_prefill.py", "_probe"),
+    "selection (scores, design)": ("hf/compress.py", ("select_layers", "select_layers_together")),
+    "copy out of the layer": ("hf/compressed_batch.py", ("_take_tokens",)),
+    "decode buffers": ("hf/compressed_batch.py", ("_build_bucket",)),
+    "attention (prompt)": ("hf/attention.py", ("causal_attention",)),
+    "probe": ("hf/serving_prefill.py", ("_probe",)),
 }
 
 
@@ -47,8 +47,8 @@ def parts_of(profile: cProfile.Profile) -> dict[str, float]:
     stats = pstats.Stats(profile).stats  # {(file, line, name): (cc, nc, tt, ct, callers)}
     out = dict.fromkeys(PARTS, 0.0)
     for (path, _, name), (_, _, _, cumulative, _) in stats.items():
-        for part, (fragment, function) in PARTS.items():
-            if name == function and path.replace("\\", "/").endswith(fragment):
+        for part, (fragment, functions) in PARTS.items():
+            if name in functions and path.replace("\\", "/").endswith(fragment):
                 out[part] += cumulative
     return out
 

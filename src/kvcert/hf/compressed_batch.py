@@ -208,13 +208,16 @@ def _build_bucket(
             if keys is None:
                 n_kv, _, d = k_row.shape
                 device, dtype = k_row.device, k_row.dtype
-                values = torch.zeros(b, n_kv, width + capacity, d, dtype=dtype, device=device)
-                keys = values.new_zeros(b, n_kv, d, width + capacity)
+                # every slot is written once: the row's kept tokens, then zeros (padding and the answer's slots)
+                values = torch.empty(b, n_kv, width + capacity, d, dtype=dtype, device=device)
+                keys = values.new_empty(b, n_kv, d, width + capacity)
                 offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
                 omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
             m = k_row.shape[1]
             keys[row, :, :, :m] = k_row.transpose(-1, -2)
+            keys[row, :, :, m:] = 0
             values[row, :, :m] = v_row
+            values[row, :, m:] = 0
             offset[row, :, :m] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
         positions = None
