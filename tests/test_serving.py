@@ -171,3 +171,40 @@ def test_a_grid_read_with_groups_equals_the_read_policy_by_policy(monkeypatch):
         assert x.tokens == y.tokens and x.logprobs == y.logprobs, x.policy.label
         for name in ("variance", "trace_c2", "out_norm"):
             np.testing.assert_array_equal(x.stats[name], y.stats[name], err_msg=name)
+
+
+# --------------------------------------------------------------------------- long prompts: sliding windows chunked
+@pytest.mark.parametrize("window", [7, 30])
+def test_a_long_prompts_sliding_window_attention_in_query_chunks_is_the_whole_attention(monkeypatch, window):
+    """Past LONG_PROMPT tokens a sliding-window layer attends READ_CHUNK queries at a time over the keys its window
+    reaches: the same output as one masked attention over the whole prompt (float64, to rounding), grouped heads."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, h, 100, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    whole = attention_module.causal_attention(q, k, v, 0.25, window)
+    monkeypatch.setattr(attention_module, "LONG_PROMPT", 64)
+    monkeypatch.setattr(attention_module, "READ_CHUNK", 24)
+    chunked = attention_module.causal_attention(q, k, v, 0.25, window)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=1e-12)
+    i, j = torch.arange(100)[:, None], torch.arange(100)[None, :]
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 0.25  # an independent masked softmax
+    scores = scores.masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
+    torch.testing.assert_close(chunked, scores.softmax(-1) @ v.repeat_interleave(2, 1), rtol=0, atol=1e-12)
+
+
+def test_a_long_prompt_read_in_chunks_decodes_as_the_whole_read(monkeypatch):
+    """The tiny Gemma 3 (sliding-window layers) read with chunked windows gives the same kept sets and answers as
+    the whole read, and log-probabilities equal to float rounding."""
+    model, _ = tiny_random_model("gemma3")
+    options = DecodeOptions(max_new_tokens=STEPS, oracle=False, backend="torch")
+    policies = [FULL, Policy(scorer="window_question", design="randomized", budget=0.5)]
+    with no_eos(model):
+        whole = compress_while_reading(model, _prompt(), policies, options)
+        monkeypatch.setattr(attention_module, "LONG_PROMPT", 40)
+        monkeypatch.setattr(attention_module, "READ_CHUNK", 16)
+        chunked = compress_while_reading(model, _prompt(), policies, options)
+        a, b = whole.decode(options), chunked.decode(options)
+    for comp_a, comp_b in zip(whole.comps, chunked.comps):
+        assert all(torch.equal(x, y) for x, y in zip(comp_a.indices, comp_b.indices))
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens
+        np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)

@@ -183,15 +183,32 @@ def sdpa(query, key, value, *, mask, scale: float) -> torch.Tensor:
     )
 
 
+LONG_PROMPT = 8192  # a sliding-window layer of a longer prompt attends READ_CHUNK queries at a time
+READ_CHUNK = 2048
+
+
 def causal_attention(query, key, value, scale: float, window: int | None) -> torch.Tensor:
     """Exact causal attention of a whole chunk read from position 0 (a sliding-window layer sees the last `window`
-    tokens including itself)."""
+    tokens including itself). Past LONG_PROMPT tokens a sliding-window layer attends READ_CHUNK queries at a time over
+    the keys their window reaches, so its mask is chunk x (chunk + window), not tokens x tokens (1 GiB at 32k)."""
+    t = query.shape[-2]
+    if window is not None and t > LONG_PROMPT:
+        return torch.cat([_window_chunk(query, key, value, scale, window, a, min(t, a + READ_CHUNK))
+                          for a in range(0, t, READ_CHUNK)], dim=-2)  # fmt: skip
     mask = None
     if window is not None:
-        t = query.shape[-2]
         mask = torch.ones(t, t, dtype=torch.bool, device=key.device).tril()
         mask &= ~torch.ones_like(mask).tril(diagonal=-window)
     return sdpa(query, key, value, mask=mask, scale=scale)
+
+
+def _window_chunk(query, key, value, scale: float, window: int, a: int, b: int) -> torch.Tensor:
+    """Queries [a, b) of a sliding-window layer over keys [a - window + 1, b): j <= i and j > i - window."""
+    lo = max(0, a - window + 1)
+    i = torch.arange(a, b, device=key.device)[:, None]
+    j = torch.arange(lo, b, device=key.device)[None, :]
+    mask = (j <= i) & (j > i - window)
+    return sdpa(query[..., a:b, :], key[..., lo:b, :], value[..., lo:b, :], mask=mask, scale=scale)
 
 
 class CompressingState:
