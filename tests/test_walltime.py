@@ -29,3 +29,28 @@ def test_a_timed_step_passes_its_exit_code_through_and_appends_its_seconds(tmp_p
     assert totals["study4"] == round(sum(e["seconds"] for e in steps["study4"]), 1) >= 0.6
     assert walltime.main(["study4", "python"]) == 2  # no "--": the usage line, nothing run or recorded
     assert len(json.loads(path.read_text())[walltime.KEY]["study4"]) == 2
+
+
+def test_a_step_stopped_by_sigterm_is_recorded_with_its_exit_code(tmp_path):
+    """SIGTERM to the wrapper (a scheduler, a session's end) stops the command and records the time it ran, exit
+    code 143; the file stays valid JSON."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    path = tmp_path / "results/provenance.json"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    code = "\n".join([
+        "import sys",
+        "from pathlib import Path",
+        "from kvcert.studies import walltime",
+        f"walltime.PROVENANCE = Path({str(path)!r})",
+        f"sys.exit(walltime.main(['study4', '--', *{sleeper!r}]))",
+    ])  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+    time.sleep(3)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 143
+    (entry,) = json.loads(path.read_text())[walltime.KEY]["study4"]
+    assert entry["exit_code"] == 143 and 2 < entry["seconds"] < 30

@@ -4,15 +4,17 @@
 
 runs the command unchanged (its output and exit code pass through) and appends one entry under
 "reproduce_wall_seconds" -> <study>: the command, its wall seconds, exit code, finish time, commit and CPU. A
-resumed step adds another entry, so a study's wall time is the sum of its entries (`totals`); a step killed by a
-signal is recorded with its exit code before it is re-raised. The commit is the one checked out when the step
-started. The file's other keys are kept.
+resumed step adds another entry, so a study's wall time is the sum of its entries (`totals`). A step stopped by
+Ctrl-C or SIGTERM is recorded with its exit code (130, 143) after the command has stopped; a SIGKILL leaves no entry
+(the step resumes from its records all the same). The commit is the one checked out when the step started. The
+file's other keys are kept.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,11 +76,22 @@ def main(argv: list[str] | None = None) -> int:
     study, command = args[0], args[2:]
     commit = _commit()  # the code the step starts with (a checkout may move on while it runs)
     started = time.perf_counter()
+    child = subprocess.Popen(command)
+
+    stopped: list[int] = []
+
+    def stop(signum, _frame):  # SIGTERM (a scheduler, a session's end): stop the step; the wait below returns
+        stopped.append(signum)
+        child.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        code = subprocess.call(command)
+        code = child.wait()
     except KeyboardInterrupt:
+        child.wait()
         record(study, command, time.perf_counter() - started, 130, commit=commit)
         raise
+    code = 128 + stopped[0] if stopped else code
     record(study, command, time.perf_counter() - started, code, commit=commit)
     return code
 
