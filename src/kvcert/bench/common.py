@@ -214,6 +214,29 @@ def before_after_options(opts) -> tuple[object, object | None]:
     return dataclasses.replace(opts, backend="torch"), dataclasses.replace(opts, backend="compiled")
 
 
+def one_run_parser(doc: str, out: str):
+    """The options every one-run benchmark (kvcert.bench.read, kvcert.bench.draws) takes: --model, --tokens, --reps,
+    --threads, --out (default `out`); the caller adds its own."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", default=DEFAULT_MODEL)
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def one_run_setup(args) -> tuple:
+    """(model, prompt ids, question start) for a one-run benchmark: its threads set, the model in float32 on the CPU,
+    the seeded synthetic prompt of args.tokens tokens."""
+    torch.set_num_threads(args.threads)
+    model, _ = load(args.model, "cpu", "float32")
+    ids, qs = synthetic_prompt(model, args.tokens)
+    return model, ids, qs
+
+
 def write_report(out, title: str, setup: str, rows: list[dict], args, results: dict) -> str:
     """A one-run benchmark's report: `out`.md (the title, the setup line after "CPU: <this CPU>, ", the rows as one
     Markdown table rounded to 3 digits) and `out`.json (the CPU, the arguments, the results); returns the text."""

@@ -10,13 +10,12 @@ same run, the configurations alternating over the repetitions.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
-from kvcert.bench.common import DEFAULT_MODEL, StepTimer, load, no_eos, synthetic_prompt, write_report
+from kvcert.bench.common import StepTimer, no_eos, one_run_parser, one_run_setup, write_report
 
 CONFIGS = ("one draw", "split halves", "2 draws", "4 draws")
 
@@ -66,18 +65,10 @@ def measure(model, ids: list[int], qs: int, steps: int, reps: int, budget: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--tokens", type=int, default=1024)
+    p = one_run_parser(__doc__, "results/bench/draws_cpu")
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default="results/bench/draws_cpu")
     args = p.parse_args(argv)
-
-    torch.set_num_threads(args.threads)
-    model, _ = load(args.model, "cpu", "float32")
-    ids, qs = synthetic_prompt(model, args.tokens)
+    model, ids, qs = one_run_setup(args)
     res = measure(model, ids, qs, args.steps, args.reps)
     text = write_report(
         args.out,

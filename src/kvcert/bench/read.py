@@ -11,7 +11,6 @@ tokens out of each layer, building the decode buffers).
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import pstats
 import statistics
@@ -19,7 +18,7 @@ import time
 
 import torch
 
-from kvcert.bench.common import DEFAULT_MODEL, load, policy_grid, synthetic_prompt, write_report
+from kvcert.bench.common import one_run_parser, one_run_setup, policy_grid, write_report
 
 # the parts of a read, by the functions that do each (module path fragment, function names)
 PARTS = {
@@ -83,17 +82,10 @@ def measure(model, ids: list[int], qs: int, grid: int, reps: int) -> dict[str, d
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL)
-    ap.add_argument("--tokens", type=int, default=1024)
-    ap.add_argument("--reps", type=int, default=3)
+    ap = one_run_parser(__doc__, "results/bench/read_cpu")
     ap.add_argument("--grid", type=int, default=24)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default="results/bench/read_cpu")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    model, _ = load(args.model, "cpu", "float32")
-    ids, qs = synthetic_prompt(model, args.tokens)
+    model, ids, qs = one_run_setup(args)
     res = measure(model, ids, qs, args.grid, args.reps)
     rows = [dict(workload=k, policies=v["policies"], plain_s=v["plain_s"], read_s=v["read_s"], ratio=v["ratio"],
                  **{f"{p} s": s for p, s in v["parts_s"].items()}) for k, v in res.items()]  # fmt: skip
