@@ -16,6 +16,9 @@ slopes; 4. peak memory; 5. thread settings; 6. seconds per confirmatory example 
 backend / the compiled backend (`decode.backend`); 7. the roofline. Headline keys of the JSON:
 `shared_prefill_speedup`, `certificate_overhead`, `roofline_multiple`, `example_speedup`.
 `python -m kvcert.bench.gpu_check` (`make gpu-check`): the CUDA tests and a small decode bench on a GPU.
+One-run scripts beside it: `read` (the read against one plain forward), `step` (one decode step's parts against its
+roofline limit and one-thread floor), `draws` (what R draws cost), `long_prompt` (peak memory at 8k-32k tokens),
+`kvpress_speed` (kvpress itself under its protocol, with the ratio's ceilings).
 """
 
 from kvcert.bench.cli import bench_integration, main, run_bench
