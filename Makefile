@@ -82,10 +82,9 @@ lock: $(STAMP) ## hash a study's pre-registration into its LOCK.json (STUDY=stud
 verify-lock: $(STAMP) ## fail if a locked file changed without an entry in DEVIATIONS.md (prereg verify --strict: on any change)
 	$(PY) -m kvcert.prereg verify --study $(STUDY)
 
-reproduce: $(STAMP) ## the five studies: lock checks -> every claim regenerated (resumable; two lanes, one core each, then study 2 on both) -> compared with the published records (results/<study>/regeneration.md; studies 4 and 5 per model) -> scorecards + figures; wall times in results/provenance.json
+reproduce: $(STAMP) ## the five studies: lock checks -> every claim regenerated (resumable; the jobs side by side on every core, CORES=N to set; each job's output in outputs/reproduce/) -> compared with the published records (results/<study>/regeneration.md; studies 4 and 5 per model) -> scorecards + figures; wall times in results/provenance.json
 	for s in study1 study2 study3 study4 study5; do $(PY) -m kvcert.prereg verify --study $$s || exit 1; done
-	$(REPRODUCE_LANES)
-	$(TIMED) study2 -- $(PY) -m kvcert.reproduce run --study study2
+	$(PY) -m kvcert.studies.schedule $(if $(CORES),--cores $(CORES),)
 	$(TIMED) compare -- $(PY) -m kvcert.reproduce publish --study all --regenerated
 	$(TIMED) compare -- $(PY) -m kvcert.studies.regenerate full --study all
 	$(TIMED) study4 -- $(PY) -m kvcert.studies.study4 regenerate-check --regenerated
@@ -95,16 +94,9 @@ reproduce: $(STAMP) ## the five studies: lock checks -> every claim regenerated 
 
 # every step's wall time appended to results/provenance.json (kvcert.studies.walltime; the command runs unchanged)
 TIMED = $(PY) -m kvcert.studies.walltime
-# make reproduce's single-thread work in two lanes, one core each (no lane reads another's records): lane 1 study 1,
-# then SmolLM2's regenerations of studies 3, 4 and 5; lane 2 Gemma 3's. Fails if either lane fails.
-REPRODUCE_LANES = ( $(TIMED) study1 -- $(PY) -m kvcert.reproduce run --study study1 && \
-	$(TIMED) study3 -- $(PY) -m kvcert.reproduce run --study study3_smollm2 && \
-	$(TIMED) study4 -- $(PY) -m kvcert.studies.study4 run --model smollm2 --regenerate && \
-	$(TIMED) study5 -- $(PY) -m kvcert.studies.study5 run --model smollm2 --regenerate ) & pid=$$!; \
-	( $(TIMED) study3 -- $(PY) -m kvcert.reproduce run --study study3_gemma3 && \
-	$(TIMED) study4 -- $(PY) -m kvcert.studies.study4 run --model gemma3 --regenerate && \
-	$(TIMED) study5 -- $(PY) -m kvcert.studies.study5 run --model gemma3 --regenerate ); rc=$$?; \
-	wait $$pid && test $$rc -eq 0
+# make reproduce's regeneration jobs (study 1; studies 3, 4 and 5 per model; study 2) run by kvcert.studies.schedule:
+# longest first, side by side on CORES cores (default: all of this machine's), each pinning its own thread count
+CORES ?=
 
 regenerate-check: $(STAMP) ## regenerate N examples per study and study-3 model (default 10; ~15 min) and judge them against the published records by the declared tolerances
 	$(PY) -m kvcert.studies.regenerate check --study all -n $(N)

@@ -44,7 +44,7 @@ def record(
 
     path = path or PROVENANCE
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".json.lock"), "w") as lock:  # two lanes of make reproduce finish side by side
+    with open(path.with_suffix(".json.lock"), "w") as lock:  # make reproduce's jobs finish side by side
         fcntl.flock(lock, fcntl.LOCK_EX)
         return _append(study, command, seconds, code, path, cpu_model(), commit or _commit())
 
