@@ -54,3 +54,41 @@ def test_a_step_stopped_by_sigterm_is_recorded_with_its_exit_code(tmp_path):
     assert proc.wait(timeout=30) == 143
     (entry,) = json.loads(path.read_text())[walltime.KEY]["study4"]
     assert entry["exit_code"] == 143 and 2 < entry["seconds"] < 30
+
+
+def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path):
+    """SIGKILL to the wrapper (a session's end) stops nothing cleanly: the entry written while the step ran stays,
+    exit code null, with the seconds up to its last rewrite; a step that ends replaces its own entry, not another's."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    path = tmp_path / "results/provenance.json"
+    sleeper = [sys.executable, "-c", "import time; time.sleep(8)"]
+    code = "\n".join([
+        "import sys",
+        "from pathlib import Path",
+        "from kvcert.studies import walltime",
+        f"walltime.PROVENANCE = Path({str(path)!r})",
+        "walltime.HEARTBEAT_S = 0.3",
+        f"sys.exit(walltime.main(['study4', '--', *{sleeper!r}]))",
+    ])  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+    deadline = time.monotonic() + 20  # until a rewrite has happened (the wrapper's start imports kvcert)
+    while time.monotonic() < deadline and not (path.is_file() and '"seconds": 0.0' not in path.read_text()):
+        time.sleep(0.1)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    (entry,) = json.loads(path.read_text())[walltime.KEY]["study4"]
+    assert entry["exit_code"] is None and 0.2 < entry["seconds"] < 8
+    assert walltime.totals(path)["study4"] == entry["seconds"]
+    # a resumed step adds its own entry beside the killed one (the orphaned sleeper ends by itself)
+    walltime.PROVENANCE, old = path, walltime.PROVENANCE
+    try:
+        assert walltime.main(["study4", "--", sys.executable, "-c", "pass"]) == 0
+    finally:
+        walltime.PROVENANCE = old
+    entries = json.loads(path.read_text())[walltime.KEY]["study4"]
+    assert [e["exit_code"] for e in entries] == [None, 0] and entries[0]["step"] != entries[1]["step"]
