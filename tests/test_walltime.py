@@ -31,24 +31,31 @@ def test_a_timed_step_passes_its_exit_code_through_and_appends_its_seconds(tmp_p
     assert len(json.loads(path.read_text())[walltime.KEY]["study4"]) == 2
 
 
-def test_a_step_stopped_by_sigterm_is_recorded_with_its_exit_code(tmp_path):
-    """SIGTERM to the wrapper (a scheduler, a session's end) stops the command and records the time it ran, exit
-    code 143; the file stays valid JSON."""
+def _wrapper(path, seconds: float, heartbeat: float | None = None):
+    """`python -m kvcert.studies.walltime study4 -- <sleep seconds>` in its own process, recording into `path`."""
     import os
-    import signal
     import subprocess
-    import time
 
-    path = tmp_path / "results/provenance.json"
-    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    sleeper = [sys.executable, "-c", f"import time; time.sleep({seconds})"]
     code = "\n".join([
         "import sys",
         "from pathlib import Path",
         "from kvcert.studies import walltime",
         f"walltime.PROVENANCE = Path({str(path)!r})",
+        f"walltime.HEARTBEAT_S = {heartbeat or walltime.HEARTBEAT_S}",
         f"sys.exit(walltime.main(['study4', '--', *{sleeper!r}]))",
     ])  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+    return subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+
+
+def test_a_step_stopped_by_sigterm_is_recorded_with_its_exit_code(tmp_path):
+    """SIGTERM to the wrapper (a scheduler, a session's end) stops the command and records the time it ran, exit
+    code 143; the file stays valid JSON."""
+    import signal
+    import time
+
+    path = tmp_path / "results/provenance.json"
+    proc = _wrapper(path, 60)
     time.sleep(3)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 143
@@ -56,25 +63,14 @@ def test_a_step_stopped_by_sigterm_is_recorded_with_its_exit_code(tmp_path):
     assert entry["exit_code"] == 143 and 2 < entry["seconds"] < 30
 
 
-def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path):
+def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path, monkeypatch):
     """SIGKILL to the wrapper (a session's end) stops nothing cleanly: the entry written while the step ran stays,
     exit code null, with the seconds up to its last rewrite; a step that ends replaces its own entry, not another's."""
-    import os
     import signal
-    import subprocess
     import time
 
     path = tmp_path / "results/provenance.json"
-    sleeper = [sys.executable, "-c", "import time; time.sleep(8)"]
-    code = "\n".join([
-        "import sys",
-        "from pathlib import Path",
-        "from kvcert.studies import walltime",
-        f"walltime.PROVENANCE = Path({str(path)!r})",
-        "walltime.HEARTBEAT_S = 0.3",
-        f"sys.exit(walltime.main(['study4', '--', *{sleeper!r}]))",
-    ])  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ})
+    proc = _wrapper(path, 8, heartbeat=0.3)
     deadline = time.monotonic() + 20  # until a rewrite has happened (the wrapper's start imports kvcert)
     while time.monotonic() < deadline and not (path.is_file() and '"seconds": 0.0' not in path.read_text()):
         time.sleep(0.1)
@@ -85,10 +81,7 @@ def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path):
     assert entry["exit_code"] is None and 0.2 < entry["seconds"] < 8
     assert walltime.totals(path)["study4"] == entry["seconds"]
     # a resumed step adds its own entry beside the killed one (the orphaned sleeper ends by itself)
-    walltime.PROVENANCE, old = path, walltime.PROVENANCE
-    try:
-        assert walltime.main(["study4", "--", sys.executable, "-c", "pass"]) == 0
-    finally:
-        walltime.PROVENANCE = old
+    monkeypatch.setattr(walltime, "PROVENANCE", path)
+    assert walltime.main(["study4", "--", sys.executable, "-c", "pass"]) == 0
     entries = json.loads(path.read_text())[walltime.KEY]["study4"]
     assert [e["exit_code"] for e in entries] == [None, 0] and entries[0]["step"] != entries[1]["step"]

@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     step_id = f"{os.getpid()}-{time.time_ns()}"  # this run of the step: its entry is rewritten, not another's
     started = time.perf_counter()
     child = subprocess.Popen(command)
-    record(study, command, 0.0, None, commit=commit, step_id=step_id)
 
     stopped: list[int] = []
 
@@ -104,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
+        record(study, command, 0.0, None, commit=commit, step_id=step_id)  # the step is on record while it runs
         while True:
             try:
                 code = child.wait(timeout=HEARTBEAT_S)
