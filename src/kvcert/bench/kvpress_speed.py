@@ -108,12 +108,9 @@ def decode_limit_s(model, results, prompt: Prompt, machine: dict, steps: int = N
 
 def measure_machine(model) -> dict:
     """This machine's read bandwidth and matmul rate at M = the 11 configurations (the roofline's measurements)."""
-    from kvcert.bench.roofline import measure_bandwidth, measure_matmul
+    from kvcert.bench.roofline import machine_rates
 
-    cfg = model.config
-    bw = measure_bandwidth()["bandwidth_Bps"]
-    mm = measure_matmul(N_CONFIGS, cfg.hidden_size, cfg.intermediate_size)["flops_per_s"]
-    return dict(bandwidth_Bps=bw, matmul_flops=mm)
+    return machine_rates(ModelShape.from_model(model), N_CONFIGS)
 
 
 def kvpress_seconds(python: str, spec_path: Path, out_dir: Path) -> list[float]:

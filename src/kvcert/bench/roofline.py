@@ -201,6 +201,15 @@ def measure_matmul(m: int, k: int, n: int, reps: int = 5, device: str = "cpu", m
     return dict(m=m, k=k, n=n, flops_per_s=2 * m * k * n / best, threads=torch.get_num_threads())
 
 
+def machine_rates(shape: ModelShape, m: int) -> dict:
+    """This machine's read bandwidth and matmul rate at M = m (decode shape, defaults of the two measurements), for
+    the one-run benchmarks that need the roofline limit at one batch size."""
+    return dict(
+        bandwidth_Bps=measure_bandwidth()["bandwidth_Bps"],
+        matmul_flops=measure_matmul(m, shape.hidden, shape.intermediate)["flops_per_s"],
+    )
+
+
 def measure_machine(shape: ModelShape, variants, cfg, device: str, log) -> dict:
     bw = measure_bandwidth(cfg.bandwidth_mb, cfg.machine_reps, device)
     mm = {str(v): measure_matmul(v, shape.hidden, shape.intermediate, cfg.machine_reps, device) for v in variants}

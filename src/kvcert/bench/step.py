@@ -40,8 +40,7 @@ from kvcert.bench.roofline import (
     ModelShape,
     limit,
     loads_from_results,
-    measure_bandwidth,
-    measure_matmul,
+    machine_rates,
     step_cost,
 )
 
@@ -133,8 +132,8 @@ def measure(model, ids: list[int], qs: int, variants: int, steps: int, reps: int
     shape = ModelShape.from_model(model)
     policies = policy_grid(variants)
     prompt = Prompt(input_ids=ids, question_start=qs, example_id="bench-step")
-    bw = measure_bandwidth()
-    mm = measure_matmul(variants, shape.hidden, shape.intermediate)
+    machine = machine_rates(shape, variants)
+    bw, mm = machine["bandwidth_Bps"], machine["matmul_flops"]
     packed = packed_matmul_rate(variants, shape.hidden, shape.intermediate)
     samples: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     loads = None
@@ -155,8 +154,8 @@ def measure(model, ids: list[int], qs: int, variants: int, steps: int, reps: int
         med = {k: statistics.median(s[k] for s in samples[name]) for k in ("step", *PARTS)}
         flags = ROOFLINE_CONFIGS[name]
         cost = step_cost(shape, loads, len(ids), **{f: flags[f] for f in COST_FLAGS})
-        lim = limit(cost, bw["bandwidth_Bps"], mm["flops_per_s"])
-        flo = floor_s(cost, bw["bandwidth_Bps"], mm["flops_per_s"])
+        lim = limit(cost, bw, mm)
+        flo = floor_s(cost, bw, mm)
         ms = {k: 1000 * v for k, v in med.items()}
         rows[name] = dict(
             step_ms=ms["step"],
@@ -168,8 +167,7 @@ def measure(model, ids: list[int], qs: int, variants: int, steps: int, reps: int
             multiple=med["step"] / lim["limit_s"],
             floor_multiple=flo / lim["limit_s"],
         )
-    machine = dict(bandwidth_Bps=bw["bandwidth_Bps"], matmul_flops=mm["flops_per_s"], packed_matmul_flops=packed)
-    return dict(machine=machine, rows=rows)
+    return dict(machine=dict(machine, packed_matmul_flops=packed), rows=rows)
 
 
 def main(argv: list[str] | None = None) -> int:
