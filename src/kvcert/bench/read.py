@@ -3,7 +3,9 @@ and where the difference goes. Per workload (one policy; a grid of prompt-time p
 configurations, which read the question again through each context-time cache): the read's seconds as a ratio to
 `model.model(ids)` (the transformer without its head, what any read costs at least), measured alternately in one run,
 and one profiled read split into its parts (the forward's attention, the per-policy selection, the copy of the kept
-tokens out of each layer, building the decode buffers).
+tokens out of each layer, building the decode buffers). Beside them, the read's floor: the plain forward plus one
+write of the decode buffers the read leaves (every variant's kept keys, values, offsets and 1 - pi), timed in the same
+run as a copy of those bytes into new memory; a read cannot cost less without a smaller cache.
 
     python -m kvcert.bench.read [--model smollm2-135m-instruct] [--tokens 1024] [--reps 3] [--grid 24]
         -> results/bench/read_cpu.{md,json}
@@ -52,6 +54,24 @@ def parts_of(profile: cProfile.Profile) -> dict[str, float]:
     return out
 
 
+def buffer_tensors(batch) -> list[torch.Tensor]:
+    """The decode buffers a read leaves: per bucket and layer, the kept keys, values, offsets and 1 - pi."""
+    return [t for bucket in batch.state.buckets for layer in bucket.layers
+            for t in (layer.keys, layer.values, layer.offset, layer.one_minus_pi)]  # fmt: skip
+
+
+def write_seconds(tensors: list[torch.Tensor], reps: int) -> float:
+    """Median seconds to write these tensors once into new memory (allocation and first touch included, as the read
+    pays them): the floor's cost of leaving a cache of this size."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        copies = [torch.empty_like(t).copy_(t) for t in tensors]
+        times.append(time.perf_counter() - t0)
+        del copies
+    return statistics.median(times)
+
+
 def measure(model, ids: list[int], qs: int, grid: int, reps: int) -> dict[str, dict]:
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
 
@@ -73,11 +93,14 @@ def measure(model, ids: list[int], qs: int, grid: int, reps: int) -> dict[str, d
                 read.append(t2 - t1)
             profile = cProfile.Profile()
             profile.enable()
-            compress_while_reading(model, prompt, policies, opts)
+            batch = compress_while_reading(model, prompt, policies, opts)
             profile.disable()
+            buffers = buffer_tensors(batch)
+            written = write_seconds(buffers, reps)
             p, r = statistics.median(plain), statistics.median(read)
             out[name] = dict(policies=len(policies), plain_s=p, read_s=r, ratio=r / p,
-                             parts_s=parts_of(profile))  # fmt: skip
+                             buffers_mb=sum(t.numel() * t.element_size() for t in buffers) / 1e6,
+                             write_s=written, floor_ratio=(p + written) / p, parts_s=parts_of(profile))  # fmt: skip
     return out
 
 
@@ -88,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     model, ids, qs = one_run_setup(args)
     res = measure(model, ids, qs, args.grid, args.reps)
     rows = [dict(workload=k, policies=v["policies"], plain_s=v["plain_s"], read_s=v["read_s"], ratio=v["ratio"],
+                 buffers_mb=v["buffers_mb"], write_s=v["write_s"], floor_ratio=v["floor_ratio"],
                  **{f"{p} s": s for p, s in v["parts_s"].items()}) for k, v in res.items()]  # fmt: skip
     text = write_report(
         args.out,
         "# Compressing while reading against one plain forward (kvcert.bench.read)",
         f"{args.threads} thread(s); {args.model}, {args.tokens}-token prompt; serving mode, certificate on; read and "
-        f"plain forward alternating, medians of {args.reps}; the parts from one profiled read (cProfile cumulative "
+        f"plain forward alternating, medians of {args.reps}; floor_ratio: (plain forward + one write of the "
+        "buffers_mb the read leaves, write_s) / plain forward; the parts from one profiled read (cProfile cumulative "
         "seconds, inflated by the profiler).",
         rows,
         args,
