@@ -285,3 +285,11 @@ def test_hot_path_sketch_estimate_equals_the_reference_form():
     packed = tail_features(v, r, packed=True)
     assert packed.shape[-1] == 8 * 9 // 2 + 2 * 8 + 3 == 55  # the symmetric block stored once
     assert torch.allclose(ref, trace_c2_from_features(p, omp, packed, o, r, vhat), rtol=1e-9, atol=1e-12)
+    # the packed layout is the full layout's upper triangle, row-major, the same floats bit for bit (float32 too)
+    rows, cols = torch.triu_indices(8, 8)
+    for x, sketch in ((v, r), (v.float(), r.float())):
+        full, tri = tail_features(x, sketch), tail_features(x, sketch, packed=True)
+        assert torch.equal(tri[..., :36], full[..., :64][..., rows * 8 + cols])
+        assert torch.equal(tri[..., 36:], full[..., 64:])
+        out = torch.empty_like(tri)
+        assert tail_features(x, sketch, packed=True, out=out) is out and torch.equal(out, tri)

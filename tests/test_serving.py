@@ -173,6 +173,56 @@ def test_a_grid_read_with_groups_equals_the_read_policy_by_policy(monkeypatch):
             np.testing.assert_array_equal(x.stats[name], y.stats[name], err_msg=name)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_read_that_keeps_each_layer_whole_equals_the_layer_by_layer_read(monkeypatch, arch):
+    """Policies that together keep more tokens than the prompt: each layer is kept whole until the buffers are built,
+    and each group selects for all layers in one design call after the read. Against the layer-by-layer read (each
+    layer selected and copied out while it is read): the same kept sets, the same decode buffers slot for slot, the
+    same answers, log-probabilities and statistics, exactly; prompt-time and context-time policies."""
+    from kvcert.hf import serving_prefill
+
+    model, _ = tiny_random_model(arch)
+    options = DecodeOptions(max_new_tokens=STEPS, oracle=False, backend="torch")
+    context = [Policy(scorer=s, design=d, budget=b, compress_after="context")
+               for s in ("window_context", "key_norm") for d in ("topk", "randomized") for b in (0.3, 0.6)]  # fmt: skip
+    policies = POLICIES + GROUPED + context
+    calls = []
+    real = serving_prefill.select_together
+    monkeypatch.setattr(serving_prefill, "select_together", lambda *a, **k: calls.append(k["layers"]) or real(*a, **k))
+    with no_eos(model):
+        whole = compress_while_reading(model, _prompt(), policies, options)
+        assert calls and all(layers == list(range(model.config.num_hidden_layers)) for layers in calls)
+        monkeypatch.setattr(serving_prefill, "keeps_whole", lambda plans, region: False)
+        by_layer = compress_while_reading(model, _prompt(), policies, options)
+        a, b = whole.decode(options), by_layer.decode(options)
+    assert whole.rows == by_layer.rows
+    for comp_a, comp_b in zip(whole.comps, by_layer.comps):
+        for name in ("indices", "offset", "one_minus_pi"):
+            pairs = zip(getattr(comp_a, name), getattr(comp_b, name), strict=True)
+            assert all(x.shape == y.shape and torch.equal(x, y) for x, y in pairs)
+        assert comp_a.tail_slots == comp_b.tail_slots and comp_a.kept_tokens == comp_b.kept_tokens
+    for bucket_a, bucket_b in zip(whole.state.buckets, by_layer.state.buckets, strict=True):
+        for buf_a, buf_b in zip(bucket_a.layers, bucket_b.layers):
+            for name in ("keys", "values", "offset", "one_minus_pi"):
+                assert torch.equal(getattr(buf_a, name), getattr(buf_b, name)), name
+    for x, y in zip(a, b):
+        assert x.tokens == y.tokens and x.logprobs == y.logprobs, x.policy.label
+        for name in ("variance", "trace_c2", "out_norm"):
+            np.testing.assert_array_equal(x.stats[name], y.stats[name], err_msg=name)
+
+
+def test_a_read_keeps_each_layer_whole_only_when_that_holds_less_than_the_copies():
+    from kvcert.hf.compress import Plan
+    from kvcert.hf.serving_prefill import keeps_whole
+
+    def plans(*budgets):
+        return [Plan.of(Policy(scorer="streaming", design="topk", budget=b), region=1000, forced=(990, 1000))
+                for b in budgets]  # fmt: skip
+
+    assert not keeps_whole(plans(0.25), 1000) and not keeps_whole(plans(0.5, 0.25), 1000)
+    assert keeps_whole(plans(0.5, 0.5), 1000) and keeps_whole(plans(1.0), 1000)
+
+
 # --------------------------------------------------------------------------- long prompts: sliding windows chunked
 @pytest.mark.parametrize("window", [7, 30])
 def test_a_long_prompts_sliding_window_attention_in_query_chunks_is_the_whole_attention(monkeypatch, window):

@@ -110,12 +110,9 @@ def assemble(
     head: torch.Tensor, tail: torch.Tensor, pi: torch.Tensor, *, design: str, offset: bool, has_certificate: bool
 ) -> Selection:
     """Pack boolean masks (..., n) of head and sampled-tail tokens into a padded, tail-first Selection."""
-    n = head.shape[-1]
     kept = head | tail
-    rank = torch.where(tail, 0, torch.where(head, 1, 2))
-    key = rank * (n + 1) + torch.arange(n, device=head.device)
     width = int(kept.sum(-1).max()) if kept.numel() else 0
-    indices = key.argsort(dim=-1)[..., :width]
+    indices = tail_first_order(tail, head)[..., :width]
     valid = kept.gather(-1, indices)
     log_pi = torch.where(head, 0.0, torch.log(pi.clamp_min(1e-300))).to(torch.float32).gather(-1, indices)
     log_pi = log_pi.masked_fill(~valid, float("-inf"))
@@ -125,3 +122,15 @@ def assemble(
     tail_counts = tail.sum(-1)
     tail_slots = int(tail_counts.max()) if tail.numel() else 0
     return Selection(indices, log_pi, off, valid, tail_slots, design, has_certificate, tail_counts)
+
+
+def tail_first_order(tail: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
+    """The permutation (..., n) that puts each row's tail tokens first, then its head tokens, then the rest, each
+    class by position (what a stable sort by class gives), from every token's place in its class: a count, no sort."""
+    head = head & ~tail
+    rest = ~(tail | head)
+    n_tail, n_head = tail.sum(-1, keepdim=True), head.sum(-1, keepdim=True)
+    later = torch.where(head, n_tail + head.cumsum(-1), n_tail + n_head + rest.cumsum(-1))
+    place = torch.where(tail, tail.cumsum(-1), later)  # 1-based place of each token in the new order
+    positions = torch.arange(tail.shape[-1], device=tail.device).expand(tail.shape)
+    return torch.empty_like(place).scatter_(-1, place - 1, positions)

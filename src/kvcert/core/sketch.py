@@ -169,26 +169,22 @@ def sketched_trace_c2(
 
 
 # ------------------------------------------------------------------------------------------------ the hot path
-def tail_features(values_tail: torch.Tensor, sketch: torch.Tensor, *, packed: bool = False) -> torch.Tensor:
+def tail_features(
+    values_tail: torch.Tensor, sketch: torch.Tensor, *, packed: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """(a) once per compression, for `trace_c2_from_features`: per tail token [VR_i VR_i^T (k^2) | VR_i | q_i VR_i |
     q_i | q_i^2 | 1], q_i = ||VR_i||^2, VR = V_tail R: (..., s, k^2 + 2k + 3) floats (83 at k = 8).
 
     packed: VR_i VR_i^T as its upper triangle only (k (k + 1) / 2 entries, row-major): 55 floats at k = 8, a third
-    less to store and to read at every step; `trace_c2_from_features` recognises the layout by its width."""
+    less to store and to read at every step; `trace_c2_from_features` recognises the layout by its width (the
+    triangle's products are computed alone, from its row and column indices). out: where to write them."""
     vr = values_tail @ sketch.to(values_tail.dtype)
     q = vr.square().sum(-1, keepdim=True)
-    outer = (vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)
-    if packed:
-        k = vr.shape[-1]
-        outer = outer[..., _upper_triangle(k, vr.device)]
-    return torch.cat([outer, vr, q * vr, q, q.square(), torch.ones_like(q)], -1)
-
-
-@functools.lru_cache(maxsize=8)  # built once per (k, device): trace_c2_from_features runs at every decode step
-def _upper_triangle(k: int, device) -> torch.Tensor:
-    """Flat indices (into a row-major k x k) of the upper triangle, row-major: the packed layout's order."""
-    rows, cols = torch.triu_indices(k, k, device=device)
-    return rows * k + cols
+    if packed:  # row i of the triangle: VR_i[i] * VR_i[i:]
+        outer = [vr[..., i : i + 1] * vr[..., i:] for i in range(vr.shape[-1])]
+    else:
+        outer = [(vr.unsqueeze(-1) * vr.unsqueeze(-2)).flatten(-2)]
+    return torch.cat([*outer, vr, q * vr, q, q.square(), torch.ones_like(q)], -1, out=out)
 
 
 @functools.lru_cache(maxsize=8)

@@ -158,8 +158,25 @@ def select_layers_together(
     back, each policy's part cut to its own width and tail length. A design's rows are independent given their count
     and uniforms, and the tail-first order of a row does not depend on the other rows, so every policy keeps exactly
     the tokens, offsets and 1 - pi of its own `select_layers` call; the per-call work is done once per group."""
-    first, n_kv = policies[0], keys.shape[1]
+    first = policies[0]
     scores = _scores(first, keys, plans[0], window_queries, scale, draws[0], pool_kernel, score_cache, inputs, layers)
+    return select_together(policies, plans, scores, draws=draws, layers=layers, layer_windows=layer_windows)
+
+
+def select_together(
+    policies: list[Policy],
+    plans: list[Plan],
+    scores: torch.Tensor,
+    *,
+    draws: list[PolicyDraws],
+    layers: list[int],
+    layer_windows: list[int | None] | None = None,
+) -> list[list[LayerKept]]:
+    """`select_layers_together` from the group's scores (len(layers), Hkv, candidates), as `_scores` returns them:
+    any number of layers in one design call (the serving read of many policies selects every layer at once, after
+    the read). Each policy's part is cut per layer to that layer's own width and tail length, so a layer keeps the
+    positions, offsets, 1 - pi and padding of a call on that layer alone."""
+    first, n_kv = policies[0], scores.shape[1]
     n_pol = len(policies)
     counts = torch.tensor([plan.n_keep for plan in plans], device=scores.device).repeat_interleave(n_kv)
     stacked = scores.repeat(1, n_pol, 1)  # (layers, P * Hkv, candidates)
@@ -170,11 +187,16 @@ def select_layers_together(
     out = []
     for p, plan in enumerate(plans):
         rows = slice(p * n_kv, (p + 1) * n_kv)
-        kept = sel.kept_counts[:, rows]
-        width = int(kept.max()) if kept.numel() else 0
-        slots = int(sel.tail_counts[:, rows].max()) if kept.numel() else 0
-        out.append(_layer_kept(sel.indices[:, rows, :width], sel.offset[:, rows, :width], omp_all[:, rows, :slots],
-                               slots, kept, plan, layers, layer_windows))  # fmt: skip
+        kept, tails = sel.kept_counts[:, rows], sel.tail_counts[:, rows]
+        widths = kept.amax(-1).tolist() if kept.numel() else [0] * len(layers)
+        slots = tails.amax(-1).tolist() if kept.numel() else [0] * len(layers)
+        per_layer = []
+        for local, (width, slot) in enumerate(zip(widths, slots)):
+            here = slice(local, local + 1)
+            per_layer += _layer_kept(sel.indices[here, rows, :width], sel.offset[here, rows, :width],
+                                     omp_all[here, rows, :slot], slot, kept[here], plan, [layers[local]],
+                                     layer_windows)  # fmt: skip
+        out.append(per_layer)
     return out
 
 

@@ -168,15 +168,21 @@ class CompressedBatch:
 
 
 # ------------------------------------------------------------------------------------------------ the buffers
-def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def _take_tokens(x: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """`core.hajek.gather_tokens` for one (Hkv, n, d) tensor and (Hkv, m) indices, as one row copy (index_select
-    over the flattened heads): the same values, several times faster than an elementwise gather."""
+    over the flattened heads): the same values, several times faster than an elementwise gather. out: memory of at
+    least Hkv * m * d elements to write them into (its first ones), else new memory."""
     n_kv, n, d = x.shape
     flat = (indices + torch.arange(n_kv, device=indices.device)[:, None] * n).reshape(-1)
-    return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
+    if out is None:
+        return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
+    target = out[: flat.numel() * d].view(flat.numel(), d)
+    return torch.index_select(x.reshape(n_kv * n, d), 0, flat, out=target).view(n_kv, -1, d)
 
 
-KeptTokens = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]  # (row, layer) -> kept keys, values (Hkv, m, d)
+# (row, layer[, keys_into]) -> its kept keys transposed (Hkv, d, m), as the buffers hold them, and its kept values
+# (Hkv, m, d); keys_into: the row's keys buffer (Hkv, d, slots), which a taker may write the keys into directly
+KeptTokens = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def _build_bucket(
@@ -204,17 +210,18 @@ def _build_bucket(
         slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
         keys = values = offset = omp = None
         for row, c in enumerate(comps):
-            k_row, v_row = kept(row, layer)  # (Hkv, m, d)
+            k_row, v_row = kept(row, layer) if keys is None else kept(row, layer, keys[row])  # (Hkv, d, m), (Hkv, m, d)
             if keys is None:
-                n_kv, _, d = k_row.shape
+                n_kv, d, _ = k_row.shape
                 device, dtype = k_row.device, k_row.dtype
                 # every slot is written once: the row's kept tokens, then zeros (padding and the answer's slots)
                 values = torch.empty(b, n_kv, width + capacity, d, dtype=dtype, device=device)
                 keys = values.new_empty(b, n_kv, d, width + capacity)
                 offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
                 omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
-            m = k_row.shape[1]
-            keys[row, :, :, :m] = k_row.transpose(-1, -2)
+            m = k_row.shape[-1]
+            if k_row.data_ptr() != keys[row].data_ptr():  # not already written there
+                keys[row, :, :, :m] = k_row
             keys[row, :, :, m:] = 0
             values[row, :, :m] = v_row
             values[row, :, m:] = 0

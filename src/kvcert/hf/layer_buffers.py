@@ -99,9 +99,11 @@ class LayerGroup:
         self.features = None  # tr(C^2)'s packed sketch features of the tail tokens (values are fixed after compression)
         if certified and self.compressed and s:
             sketch = value_sketch(first.values.shape[-1], first.values.device)
-            self.features = torch.stack(
-                [tail_features(b.values[:, :, :s].float(), sketch, packed=True) for b in buffers]
-            )
+            k = sketch.shape[-1]
+            shape = (len(buffers), *first.values.shape[:2], s, k * (k + 1) // 2 + 2 * k + 3)
+            self.features = torch.empty(shape, dtype=torch.float32, device=first.values.device)  # written per layer
+            for local, b in enumerate(buffers):
+                tail_features(b.values[:, :, :s].float(), sketch, packed=True, out=self.features[local])
         self.psi: torch.Tensor | None = None  # tr(C^2) / V_hat^2 of the last refresh (tight_radius_every > 1)
         self.rows: torch.Tensor | None = None
         self.out: torch.Tensor | None = None

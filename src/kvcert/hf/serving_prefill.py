@@ -23,10 +23,12 @@ from kvcert.hf.compress import (
     Compressed,
     Plan,
     PolicyDraws,
+    _scores,
     assemble_layers,
     group_key,
     select_layers,
     select_layers_together,
+    select_together,
 )
 from kvcert.hf.compressed_batch import (
     CompressedBatch,
@@ -85,15 +87,31 @@ class _LayerCompressor:
         self.groups = _groups(rows, {i: group_key(policies[i], self.plans[i], self.reads[i]) for i in rows})
         self.layers = {i: [None] * shape[0] for i in rows}  # LayerKept per layer
         self.tokens = {i: [None] * shape[0] for i in rows}  # (kept keys, kept values) per layer
+        # Policies that together keep at least the region's tokens: each layer's keys and values are kept whole
+        # (less memory than a copy per policy), each row's tokens are taken from them straight into its buffers, and
+        # the groups select after the read, for all layers in one design call (`finish`).
+        self.whole = keep and not probe and keeps_whole([self.plans[i] for i in rows], region)
+        self.full: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * shape[0]  # (Hkv, region, d) each
+        self.group_scores: dict[int, list[torch.Tensor | None]] = {}  # group index -> its scores per layer
+        self.scratch: list[torch.Tensor | None] = [None, None]  # see `_scratch`
 
     def __call__(self, layer: int, query, key, value) -> None:
         scores: dict = {}  # this layer's scores per scorer, shared by its policies
         inputs = None if self.model_tensors is None else self.model_tensors.inputs([layer], key, value, query)
-        for group in self.groups:
+        if self.whole:
+            # copied once: the keys transposed (Hkv, d, region), as the buffers hold them; the values' rows flat
+            self.full[layer] = (key[0].transpose(-1, -2).contiguous(), value[0].contiguous())
+        for g, group in enumerate(self.groups):
             read = self.reads[group[0]]
             common = dict(layers=[layer], window_queries=None if read is None else query[:, :, read[0] : read[1]],
                           scale=self.scale, pool_kernel=self.pool_kernel, layer_windows=self.windows,
                           score_cache=scores, inputs=inputs)  # fmt: skip
+            if self.whole and len(group) > 1:  # only the scores now; the design call for all layers in `finish`
+                i = group[0]
+                found = _scores(self.policies[i], key, self.plans[i], common["window_queries"], self.scale,
+                                self.draws[i], self.pool_kernel, scores, inputs, [layer])  # fmt: skip
+                self.group_scores.setdefault(g, [None] * len(self.full))[layer] = found
+                continue
             if len(group) == 1:
                 (i,) = group
                 found = {i: select_layers(self.policies[i], key, plan=self.plans[i],
@@ -103,7 +121,10 @@ class _LayerCompressor:
                 plans, draws = [self.plans[i] for i in group], [self.draws[i].take([layer]) for i in group]
                 together = select_layers_together(members, plans, key, draws=draws, **common)
                 found = {i: kept for i, (kept,) in zip(group, together)}
-            if self.keep:  # the group's kept tokens in one copy per tensor, split per policy
+            if self.whole:  # the tokens are taken from the whole layer when the buffers are built
+                for i, kept in found.items():
+                    self.layers[i][layer] = kept
+            elif self.keep:  # the group's kept tokens in one copy per tensor, split per policy
                 indices = [kept.indices for kept in found.values()]
                 both = [_take_tokens(x[0], torch.cat(indices, dim=-1)) for x in (key, value)]
                 widths = [ix.shape[-1] for ix in indices]
@@ -132,12 +153,44 @@ class _LayerCompressor:
             sketch=value_sketch(key.shape[-1], key.device),
         )
 
+    def finish(self) -> None:
+        """After the read: the deferred groups select for all layers in one design call each."""
+        all_layers = list(range(len(self.full)))
+        for g, per_layer in self.group_scores.items():
+            group = self.groups[g]
+            found = select_together([self.policies[i] for i in group], [self.plans[i] for i in group],
+                                    torch.cat(per_layer), draws=[self.draws[i] for i in group], layers=all_layers,
+                                    layer_windows=self.windows)  # fmt: skip
+            for i, kept in zip(group, found):
+                self.layers[i] = kept
+        self.group_scores = {}
+
     def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
-        def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            out, self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # copied once, then freed
-            return out
+        def take(row: int, layer: int, keys_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.whole:  # the keys gathered straight into keys_into (or scratch memory), the values into scratch
+                indices = self.layers[group[row]][layer].indices
+                keys_t, values = self.full[layer]
+                n_kv, d, m = keys_t.shape[0], keys_t.shape[1], indices.shape[-1]
+                if keys_into is None:
+                    keys_into = self._scratch(0, keys_t)[: n_kv * d * m].view(n_kv, d, m)
+                kept_keys = torch.gather(keys_t, 2, indices[:, None, :].expand(n_kv, d, m), out=keys_into[..., :m])
+                return kept_keys, _take_tokens(values, indices, out=self._scratch(1, values))
+            (k_part, v_part), self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # once, then freed
+            return k_part.transpose(-1, -2), v_part
 
         return take
+
+    def _scratch(self, which: int, like: torch.Tensor) -> torch.Tensor:
+        """Reused memory for one row's kept keys (0) or values (1) of one layer, as large as a whole layer."""
+        if self.scratch[which] is None or self.scratch[which].numel() < like.numel():
+            self.scratch[which] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return self.scratch[which]
+
+
+def keeps_whole(plans: list[Plan], region: int) -> bool:
+    """Whether a read keeps each layer whole until the buffers are built: when the policies together keep at least
+    the region's tokens (always-kept ones included), one whole copy holds less than a copy per policy."""
+    return sum(plan.n_keep + plan.hi - plan.lo for plan in plans) >= region
 
 
 def _groups(rows: list[int], keys: dict[int, tuple | None]) -> list[list[int]]:
@@ -182,6 +235,8 @@ def compress_while_reading(
     probe = probe or choose is not None
     readers = _readers(model, prompt, policies, options, example_id, probe=probe, keep=True)
     logits = _read(model, ids, readers)
+    for _, _, _, reader in readers:
+        reader.finish()
     chosen = None
     if choose is not None:
         found = {i: r.probes[i] for _, rows, _, r in readers for i in rows}
