@@ -24,7 +24,7 @@ from kvcert.bench.common import one_run_parser, one_run_setup, policy_grid, writ
 
 # the parts of a read, by the functions that do each (module path fragment, function names)
 PARTS = {
-    "selection (scores, design)": ("hf/compress.py", ("select_layers", "select_layers_together")),
+    "selection (scores, design)": ("hf/compress.py", ("select_layers", "select_layers_together", "select_together")),
     "copy out of the layer": ("hf/compressed_batch.py", ("_take_tokens",)),
     "decode buffers": ("hf/compressed_batch.py", ("_build_bucket",)),
     "attention (prompt)": ("hf/attention.py", ("causal_attention",)),
