@@ -1,7 +1,10 @@
 """Serving mode's prompt read (no oracle): `compress_while_reading` reads the prompt once and compresses every layer
 for every policy as soon as that layer's attention ran (`_LayerCompressor`), so the full cache of all layers never
 exists; the result is the `CompressedBatch` (kvcert.hf.compressed_batch) that verification mode builds from a
-`Prefill` (kvcert.hf.prefill).
+`Prefill` (kvcert.hf.prefill). The one exception holds less, not more: when the policies of a compression time
+together keep at least as many tokens as the prompt (a grid of budgets), each layer's keys and values are kept
+whole, once, instead of a copy per policy, and each group of policies selects for all layers in one design call
+after the read (`keeps_whole`).
 """
 
 from __future__ import annotations
@@ -216,7 +219,8 @@ def compress_while_reading(
     cache of all layers. The prompt is read once, and inside that forward each layer, as soon as its attention ran, is
     compressed for every policy (the policies compressed after the context, as kvpress does, take the layer's context
     part, which causal attention computed exactly as a read of the context alone would): its kept tokens are copied
-    out, in the model's dtype, and its full keys/values are dropped before the next layer. The question is then read
+    out, in the model's dtype, and its full keys/values are dropped before the next layer (unless the policies together
+    keep at least the prompt's tokens: then the layer is kept whole once, see the module). The question is then read
     through the context-time policies' compressed caches. The policies' random draws are made
     up front for all layers (`PolicyDraws`), so each policy keeps what verification mode keeps for the same keys;
     the keys themselves differ from verification mode's in the last float digits, because the prompt is read in one
