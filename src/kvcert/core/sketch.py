@@ -176,8 +176,8 @@ def tail_features(
     q_i | q_i^2 | 1], q_i = ||VR_i||^2, VR = V_tail R: (..., s, k^2 + 2k + 3) floats (83 at k = 8).
 
     packed: VR_i VR_i^T as its upper triangle only (k (k + 1) / 2 entries, row-major): 55 floats at k = 8, a third
-    less to store and to read at every step; `trace_c2_from_features` recognises the layout by its width (the
-    triangle's products are computed alone, from its row and column indices). out: where to write them."""
+    less to store and to read at every step; `trace_c2_from_features` recognises the layout by its width (only the
+    triangle's products are computed, row by row). out: where to write the features."""
     vr = values_tail @ sketch.to(values_tail.dtype)
     q = vr.square().sum(-1, keepdim=True)
     if packed:  # row i of the triangle: VR_i[i] * VR_i[i:]

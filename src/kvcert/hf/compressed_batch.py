@@ -180,9 +180,8 @@ def _take_tokens(x: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | Non
     return torch.index_select(x.reshape(n_kv * n, d), 0, flat, out=target).view(n_kv, -1, d)
 
 
-# (row, layer[, keys_into]) -> its kept keys transposed (Hkv, d, m), as the buffers hold them, and its kept values
-# (Hkv, m, d); keys_into: the row's keys buffer (Hkv, d, slots), which a taker may write the keys into directly
-KeptTokens = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (row, layer) -> its kept keys transposed (Hkv, d, m), as the buffers hold them, and its kept values (Hkv, m, d)
+KeptTokens = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _build_bucket(
@@ -210,7 +209,7 @@ def _build_bucket(
         slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
         keys = values = offset = omp = None
         for row, c in enumerate(comps):
-            k_row, v_row = kept(row, layer) if keys is None else kept(row, layer, keys[row])  # (Hkv, d, m), (Hkv, m, d)
+            k_row, v_row = kept(row, layer)  # (Hkv, d, m), (Hkv, m, d)
             if keys is None:
                 n_kv, d, _ = k_row.shape
                 device, dtype = k_row.device, k_row.dtype
@@ -220,8 +219,7 @@ def _build_bucket(
                 offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
                 omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
             m = k_row.shape[-1]
-            if k_row.data_ptr() != keys[row].data_ptr():  # not already written there
-                keys[row, :, :, :m] = k_row
+            keys[row, :, :, :m] = k_row
             keys[row, :, :, m:] = 0
             values[row, :, :m] = v_row
             values[row, :, m:] = 0

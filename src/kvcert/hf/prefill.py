@@ -122,7 +122,7 @@ class Prefill:
 
     # ---------------------------------------------------------------------------------------------- compress
     def _kept(self, comps: dict[int, Compressed], rows: list[int]) -> KeptTokens:
-        def kept(row: int, layer: int, keys_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        def kept(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
             idx = comps[rows[row]].indices[layer]
             keys, values = (_take_tokens(x[layer][0], idx) for x in (self.full_keys, self.full_values))
             return keys.transpose(-1, -2), values

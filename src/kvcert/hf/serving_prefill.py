@@ -111,9 +111,9 @@ class _LayerCompressor:
                           score_cache=scores, inputs=inputs)  # fmt: skip
             if self.whole and len(group) > 1:  # only the scores now; the design call for all layers in `finish`
                 i = group[0]
-                found = _scores(self.policies[i], key, self.plans[i], common["window_queries"], self.scale,
-                                self.draws[i], self.pool_kernel, scores, inputs, [layer])  # fmt: skip
-                self.group_scores.setdefault(g, [None] * len(self.full))[layer] = found
+                layer_scores = _scores(self.policies[i], key, self.plans[i], common["window_queries"], self.scale,
+                                       self.draws[i], self.pool_kernel, scores, inputs, [layer])  # fmt: skip
+                self.group_scores.setdefault(g, [None] * len(self.full))[layer] = layer_scores
                 continue
             if len(group) == 1:
                 (i,) = group
@@ -169,14 +169,13 @@ class _LayerCompressor:
         self.group_scores = {}
 
     def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
-        def take(row: int, layer: int, keys_into: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            if self.whole:  # the keys gathered straight into keys_into (or scratch memory), the values into scratch
+        def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+            if self.whole:  # into scratch memory reused by every call: the caller writes them into its buffers first
                 indices = self.layers[group[row]][layer].indices
                 keys_t, values = self.full[layer]
                 n_kv, d, m = keys_t.shape[0], keys_t.shape[1], indices.shape[-1]
-                if keys_into is None:
-                    keys_into = self._scratch(0, keys_t)[: n_kv * d * m].view(n_kv, d, m)
-                kept_keys = torch.gather(keys_t, 2, indices[:, None, :].expand(n_kv, d, m), out=keys_into[..., :m])
+                kept_keys = self._scratch(0, keys_t)[: n_kv * d * m].view(n_kv, d, m)
+                torch.gather(keys_t, 2, indices[:, None, :].expand(n_kv, d, m), out=kept_keys)
                 return kept_keys, _take_tokens(values, indices, out=self._scratch(1, values))
             (k_part, v_part), self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # once, then freed
             return k_part.transpose(-1, -2), v_part
