@@ -54,3 +54,11 @@ def test_step_bench_reports_parts_that_add_up_and_multiples(tmp_path):
     # the certificate's statistics are work the plain step does not do
     assert res["rows"]["certificate"]["statistics_ms"] > res["rows"]["plain"]["statistics_ms"]
     assert "CPU:" in out.with_suffix(".md").read_text()
+
+
+def test_the_floor_is_never_below_the_limit_even_by_rounding():
+    """Both parts memory-bound: weights / bw + rest / bw rounds one ulp below total / bw for these numbers."""
+    w, total, bw = 281837845.117866, 1037642049.5192857, 12749010936.8313
+    assert w / bw + (total - w) / bw < total / bw  # the rounding this guards against
+    cost = {"bytes": total, "flops": 1.0, "bytes_by": {"weights": w}, "flops_by": {"weights": 0.5}}
+    assert step.floor_s(cost, bw, 1e12) >= limit(cost, bw, 1e12)["limit_s"]

@@ -120,10 +120,12 @@ def packed_matmul_rate(m: int, k: int, n: int, reps: int = 5) -> float | None:
 
 def floor_s(cost: dict, bandwidth: float, matmul_flops: float) -> float:
     """The one-thread floor (module docstring): the linear layers at their own roofline, then the rest at its own
-    (the attention's flops at the matmul rate too); never below the limit, the max of the sums."""
+    (the attention's flops at the matmul rate too); never below the limit, the max of the sums (taken again at the
+    end: when both parts are bound the same way the split sum can round one ulp below it)."""
     linear = max(cost["bytes_by"]["weights"] / bandwidth, cost["flops_by"]["weights"] / matmul_flops)
     rest_bytes, rest_flops = cost["bytes"] - cost["bytes_by"]["weights"], cost["flops"] - cost["flops_by"]["weights"]
-    return linear + max(rest_bytes / bandwidth, rest_flops / matmul_flops)
+    floor = linear + max(rest_bytes / bandwidth, rest_flops / matmul_flops)
+    return max(floor, cost["bytes"] / bandwidth, cost["flops"] / matmul_flops)
 
 
 def measure(model, ids: list[int], qs: int, variants: int, steps: int, reps: int) -> dict:
