@@ -168,26 +168,26 @@ class CompressedBatch:
 
 
 # ------------------------------------------------------------------------------------------------ the buffers
-def _take_tokens(x: torch.Tensor, indices: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def _take_tokens(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """`core.hajek.gather_tokens` for one (Hkv, n, d) tensor and (Hkv, m) indices, as one row copy (index_select
-    over the flattened heads): the same values, several times faster than an elementwise gather. out: memory of at
-    least Hkv * m * d elements to write them into (its first ones), else new memory."""
+    over the flattened heads): the same values, several times faster than an elementwise gather."""
     n_kv, n, d = x.shape
     flat = (indices + torch.arange(n_kv, device=indices.device)[:, None] * n).reshape(-1)
-    if out is None:
-        return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
-    target = out[: flat.numel() * d].view(flat.numel(), d)
-    return torch.index_select(x.reshape(n_kv * n, d), 0, flat, out=target).view(n_kv, -1, d)
+    return x.reshape(n_kv * n, d).index_select(0, flat).view(n_kv, -1, d)
 
 
 # (row, layer) -> its kept keys transposed (Hkv, d, m), as the buffers hold them, and its kept values (Hkv, m, d)
 KeptTokens = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+# or, per layer, the layer's keys transposed (Hkv, d, R + 1) and values (Hkv, R + 1, d), whole, token R zero: every
+# slot of a bucket's buffers is then gathered from them by position (padding slots take the zero token), each buffer
+# written once (serving mode's read of many policies, kvcert.hf.serving_prefill.keeps_whole)
+WholeLayers = list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _build_bucket(
     comps: list[Compressed],
     policies: list[Policy],
-    kept: KeptTokens,
+    kept: KeptTokens | WholeLayers,
     layer_windows: list[int | None],
     capacity: int,
     oracle: Callable[[list[int]], tuple[torch.Tensor, torch.Tensor]] | None,
@@ -207,23 +207,15 @@ def _build_bucket(
         b = len(comps)
         width = shared_width if window is None else max(c.indices[layer].shape[-1] for c in comps)
         slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
-        keys = values = offset = omp = None
+        if isinstance(kept, list):
+            keys, values = _gather_slots(kept[layer], [c.indices[layer] for c in comps], width + capacity)
+        else:
+            keys, values = _write_rows(lambda row, layer=layer: kept(row, layer), b, width + capacity)
+        device = keys.device
+        offset = torch.full((b, keys.shape[1], width + capacity), float("-inf"), dtype=torch.float32, device=device)
+        omp = torch.zeros(b, keys.shape[1], slots, dtype=torch.float32, device=device)
         for row, c in enumerate(comps):
-            k_row, v_row = kept(row, layer)  # (Hkv, d, m), (Hkv, m, d)
-            if keys is None:
-                n_kv, d, _ = k_row.shape
-                device, dtype = k_row.device, k_row.dtype
-                # every slot is written once: the row's kept tokens, then zeros (padding and the answer's slots)
-                values = torch.empty(b, n_kv, width + capacity, d, dtype=dtype, device=device)
-                keys = values.new_empty(b, n_kv, d, width + capacity)
-                offset = torch.full((b, n_kv, width + capacity), float("-inf"), dtype=torch.float32, device=device)
-                omp = torch.zeros(b, n_kv, slots, dtype=torch.float32, device=device)
-            m = k_row.shape[-1]
-            keys[row, :, :, :m] = k_row
-            keys[row, :, :, m:] = 0
-            values[row, :, :m] = v_row
-            values[row, :, m:] = 0
-            offset[row, :, :m] = c.offset[layer]
+            offset[row, :, : c.indices[layer].shape[-1]] = c.offset[layer]
             omp[row, :, : c.tail_slots[layer]] = c.one_minus_pi[layer]
         positions = None
         if window is not None:  # slot positions, for the window mask (padding never enters: offset -inf)
@@ -256,6 +248,48 @@ def _build_bucket(
     return Bucket(
         layers, certificate_rows=[p.has_certificate for p in policies], oracle=oracle_parts, recompress=recompress
     )
+
+
+def _write_rows(
+    kept_row: Callable[[int], tuple[torch.Tensor, torch.Tensor]], b: int, n_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (B, Hkv, d, n_slots) and values (B, Hkv, n_slots, d) from each row's kept keys (Hkv, d, m) and values
+    (Hkv, m, d), taken one row at a time: every slot written once, the row's kept tokens, then zeros (padding and the
+    answer's slots)."""
+    keys = values = None
+    for row in range(b):
+        k_row, v_row = kept_row(row)
+        if keys is None:
+            n_kv, d, _ = k_row.shape
+            values = v_row.new_empty(b, n_kv, n_slots, d)
+            keys = k_row.new_empty(b, n_kv, d, n_slots)
+        m = k_row.shape[-1]
+        keys[row, :, :, :m] = k_row
+        keys[row, :, :, m:] = 0
+        values[row, :, :m] = v_row
+        values[row, :, m:] = 0
+    return keys, values
+
+
+def _gather_slots(
+    layer: tuple[torch.Tensor, torch.Tensor], indices: list[torch.Tensor], n_slots: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `_write_rows` writes, gathered from a whole layer (`WholeLayers`: keys (Hkv, d, R + 1), values
+    (Hkv, R + 1, d), token R zero) by each row's kept positions (Hkv, m): every slot names its token, the padding the
+    zero one, so each buffer is written once, in one pass, with no copy in between."""
+    keys_t, values_all = layer
+    n_kv, d, n_tokens = keys_t.shape
+    b = len(indices)
+    slot_tokens = torch.full((b, n_kv, n_slots), n_tokens - 1, dtype=torch.long, device=keys_t.device)
+    for row, idx in enumerate(indices):
+        slot_tokens[row, :, : idx.shape[-1]] = idx
+    keys = keys_t.new_empty(b, n_kv, d, n_slots)
+    for row in range(b):
+        for h in range(n_kv):  # a (d, n_slots) block of the buffer per row and head: columns of the layer's K^T
+            torch.index_select(keys_t[h], 1, slot_tokens[row, h], out=keys[row, h])
+    flat = (slot_tokens + torch.arange(n_kv, device=keys_t.device)[:, None] * n_tokens).view(-1)
+    values = torch.index_select(values_all.reshape(n_kv * n_tokens, d), 0, flat).view(b, n_kv, n_slots, d)
+    return keys, values
 
 
 def _recompress_row(policy: Policy, region: int, example_id: str, options: DecodeOptions) -> RowRecompress | None:

@@ -36,6 +36,7 @@ from kvcert.hf.compress import (
 from kvcert.hf.compressed_batch import (
     CompressedBatch,
     KeptTokens,
+    WholeLayers,
     _batch,
     _buckets,
     _by_time,
@@ -94,16 +95,18 @@ class _LayerCompressor:
         # (less memory than a copy per policy), each row's tokens are taken from them straight into its buffers, and
         # the groups select after the read, for all layers in one design call (`finish`).
         self.whole = keep and not probe and keeps_whole([self.plans[i] for i in rows], region)
-        self.full: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * shape[0]  # (Hkv, region, d) each
+        self.full: WholeLayers = [None] * shape[0]  # each layer's keys and values, whole
         self.group_scores: dict[int, list[torch.Tensor | None]] = {}  # group index -> its scores per layer
-        self.scratch: list[torch.Tensor | None] = [None, None]  # see `_scratch`
 
     def __call__(self, layer: int, query, key, value) -> None:
         scores: dict = {}  # this layer's scores per scorer, shared by its policies
         inputs = None if self.model_tensors is None else self.model_tensors.inputs([layer], key, value, query)
-        if self.whole:
-            # copied once: the keys transposed (Hkv, d, region), as the buffers hold them; the values' rows flat
-            self.full[layer] = (key[0].transpose(-1, -2).contiguous(), value[0].contiguous())
+        if self.whole:  # copied once, as `WholeLayers` holds them (a zero token after the region's)
+            n_kv, region, d = key.shape[1:]
+            keys_t, values = key.new_empty(n_kv, d, region + 1), value.new_empty(n_kv, region + 1, d)
+            keys_t[..., :region], values[:, :region] = key[0].transpose(-1, -2), value[0]
+            keys_t[..., region], values[:, region] = 0, 0
+            self.full[layer] = (keys_t, values)
         for g, group in enumerate(self.groups):
             read = self.reads[group[0]]
             common = dict(layers=[layer], window_queries=None if read is None else query[:, :, read[0] : read[1]],
@@ -168,25 +171,15 @@ class _LayerCompressor:
                 self.layers[i] = kept
         self.group_scores = {}
 
-    def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens:
+    def kept(self, comps: dict[int, Compressed], group: list[int]) -> KeptTokens | WholeLayers:
+        if self.whole:  # the buffers are gathered from the whole layers, by the rows' kept positions
+            return self.full
+
         def take(row: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-            if self.whole:  # into scratch memory reused by every call: the caller writes them into its buffers first
-                indices = self.layers[group[row]][layer].indices
-                keys_t, values = self.full[layer]
-                n_kv, d, m = keys_t.shape[0], keys_t.shape[1], indices.shape[-1]
-                kept_keys = self._scratch(0, keys_t)[: n_kv * d * m].view(n_kv, d, m)
-                torch.gather(keys_t, 2, indices[:, None, :].expand(n_kv, d, m), out=kept_keys)
-                return kept_keys, _take_tokens(values, indices, out=self._scratch(1, values))
             (k_part, v_part), self.tokens[group[row]][layer] = self.tokens[group[row]][layer], None  # once, then freed
             return k_part.transpose(-1, -2), v_part
 
         return take
-
-    def _scratch(self, which: int, like: torch.Tensor) -> torch.Tensor:
-        """Reused memory for one row's kept keys (0) or values (1) of one layer, as large as a whole layer."""
-        if self.scratch[which] is None or self.scratch[which].numel() < like.numel():
-            self.scratch[which] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        return self.scratch[which]
 
 
 def keeps_whole(plans: list[Plan], region: int) -> bool:
