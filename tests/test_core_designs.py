@@ -134,3 +134,48 @@ def test_tail_first_order_is_the_stable_sort_by_class(shape):
         n = shape[-1]
         key = torch.where(tail, 0, torch.where(head, 1, 2)) * (n + 1) + torch.arange(n)
         assert torch.equal(tail_first_order(tail, head), key.argsort(dim=-1))
+
+
+@pytest.mark.parametrize(
+    "design, half",
+    [("topk", None), ("randomized", None), ("randomized", 0), ("randomized_no_offset", None), ("uniform", None)],
+)
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_design_given_the_scores_order_selects_what_it_selects_by_sorting(design, half, per_row, monkeypatch):
+    """Several budgets over the same scores sort once (kvcert.hf.compress.select_together): with `order` every design
+    keeps the same tokens with the same offsets, bit for bit, also with tied scores and a row of zeros, and sorts
+    nothing itself."""
+    from kvcert.core.selection import descending_order
+
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.rand(2, 6, 300, generator=gen)
+    scores[..., ::7] = 0.25  # ties
+    scores[0, 0] = 0.0  # a row of zero scores: u is the floor alone
+    n_keep = torch.randint(1, 300, (2, 6), generator=gen) if per_row else 90
+    draws = torch.rand(scores.shape, generator=gen, dtype=torch.float64)
+    extra = {} if half is None else {"half": half}
+    kwargs = dict(tail_fraction=0.5, floor=0.2, score_power=1.5, generator=None, draws=draws, **extra)
+    plain = get_design(design)(scores, n_keep, **kwargs)
+    order = descending_order(scores)
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("sorted although the order was given")
+
+    monkeypatch.setattr(torch, "sort", no_sort)
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    ordered = get_design(design)(scores, n_keep, order=order, **kwargs)
+    monkeypatch.undo()
+    for name in ("indices", "log_pi", "offset", "valid", "tail_counts"):
+        assert torch.equal(getattr(plain, name), getattr(ordered, name)), name
+    assert plain.tail_slots == ordered.tail_slots
+
+
+def test_inclusion_probabilities_read_off_an_order_equal_the_sorted_ones_and_a_wrong_order_is_ignored():
+    scores = torch.rand(4, 200, generator=torch.Generator().manual_seed(0)).double()
+    candidates = torch.ones_like(scores, dtype=torch.bool)
+    kwargs = dict(floor=0.1, score_power=2.0)
+    plain = inclusion_probabilities(scores, candidates, 40.0, **kwargs)
+    good = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    assert torch.equal(inclusion_probabilities(scores, candidates, 40.0, order=good, **kwargs), plain)
+    wrong = good.flip(-1)  # u increasing along it: not used, u is sorted instead
+    assert torch.equal(inclusion_probabilities(scores, candidates, 40.0, order=wrong, **kwargs), plain)

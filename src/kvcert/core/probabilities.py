@@ -12,6 +12,7 @@ def inclusion_probabilities(
     *,
     floor: float,
     score_power: float,
+    order: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Solve pi over the candidate tokens of every row (float64, 0 outside the candidates); expected_size is one
     number or one per row (..., ) (a head-wise allocation gives every head its own tail size).
@@ -20,6 +21,10 @@ def inclusion_probabilities(
     pi_i = min(1, c u_i) with c chosen so that sum_cand pi_i = expected_size exactly (iterated cap, done in closed
     form: with the k largest u capped at 1, c = (t - k) / sum of the other u; the right k is the smallest for which the
     (k+1)-th largest u stays below 1/c).
+
+    order: an arrangement of each row's entries under which u should be non-increasing (the candidates by score,
+    highest first, then the others), when the caller has one: checked, and u's descending values read off it instead
+    of sorting (the same values); u is sorted as before when it is not non-increasing.
     """
     s = scores.double().clamp_min(0) ** score_power * candidates
     n_cand = candidates.sum(-1, keepdim=True).double()
@@ -30,7 +35,13 @@ def inclusion_probabilities(
 
     # a per-row size broadcasts as (..., 1) against the (..., n) columns; one size stays a Python float
     t = expected_size.double().unsqueeze(-1) if isinstance(expected_size, torch.Tensor) else float(expected_size)
-    u_sorted = u.sort(dim=-1, descending=True).values
+    u_sorted = None
+    if order is not None:
+        arranged = u.gather(-1, order)
+        if bool((arranged[..., 1:] <= arranged[..., :-1]).all()):
+            u_sorted = arranged
+    if u_sorted is None:
+        u_sorted = u.sort(dim=-1, descending=True).values
     before = u_sorted.cumsum(-1) - u_sorted  # mass of the k larger u, k = column index
     k = torch.arange(u.shape[-1], device=u.device, dtype=torch.float64)
     remaining = u_sorted.sum(-1, keepdim=True) - before

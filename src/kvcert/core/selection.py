@@ -78,21 +78,32 @@ def check_design_inputs(
         raise ValueError(f"score_power must be > 0, got {score_power!r}")
 
 
-def top_head(scores: torch.Tensor, n_head: Counts, candidates: torch.Tensor | None = None) -> torch.Tensor:
+def descending_order(scores: torch.Tensor) -> torch.Tensor:
+    """Each row's positions by score, highest first, ties to the earlier position: what `top_head` sorts by. A caller
+    that selects several budgets over the same scores sorts once and passes it to the designs as `order`."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices
+
+
+def top_head(
+    scores: torch.Tensor, n_head: Counts, candidates: torch.Tensor | None = None, order: torch.Tensor | None = None
+) -> torch.Tensor:
     """Boolean mask of the n_head highest scores per row (ties to the earlier position, deterministic); n_head may
-    be one count per row. candidates: only these entries can be chosen (non-candidates rank below every score)."""
+    be one count per row. candidates: only these entries can be chosen (non-candidates rank below every score).
+    order: `descending_order` of these scores (candidates applied), when the caller has it: not sorted again."""
     if candidates is not None:
         scores = scores.masked_fill(~candidates, -1.0)  # scores are >= 0: a non-candidate ranks last
+    if order is not None and order.shape != scores.shape:
+        raise ValueError(f"order must have the scores' shape {tuple(scores.shape)}, got {tuple(order.shape)}")
     if isinstance(n_head, torch.Tensor):  # rank of every entry in its row, kept where rank < the row's count
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+        order = descending_order(scores) if order is None else order
         rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order).contiguous()
         )
         return rank < n_head.unsqueeze(-1)
     head = torch.zeros_like(scores, dtype=torch.bool)
     if n_head > 0:
-        order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :n_head]
-        head.scatter_(-1, order, True)
+        order = descending_order(scores) if order is None else order
+        head.scatter_(-1, order[..., :n_head], True)
     return head
 
 

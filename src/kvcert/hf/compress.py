@@ -30,6 +30,7 @@ from kvcert.core.allocation import allocate
 from kvcert.core.designs import DESIGN_SPECS
 from kvcert.core.probabilities import uniform_draws
 from kvcert.core.scorers import SCORERS, ScorerInputs, random_scores
+from kvcert.core.selection import descending_order
 from kvcert.policy import Policy
 
 
@@ -171,18 +172,21 @@ def select_together(
     draws: list[PolicyDraws],
     layers: list[int],
     layer_windows: list[int | None] | None = None,
+    order: torch.Tensor | None = None,
 ) -> list[list[LayerKept]]:
     """`select_layers_together` from the group's scores (len(layers), Hkv, candidates), as `_scores` returns them:
     any number of layers in one design call (the serving read of many policies selects every layer at once, after
     the read). Each policy's part is cut per layer to that layer's own width and tail length, so a layer keeps the
-    positions, offsets, 1 - pi and padding of a call on that layer alone."""
+    positions, offsets, 1 - pi and padding of a call on that layer alone. The scores are sorted once for all the
+    policies (order: their `descending_order`, when the caller has it)."""
     first, n_kv = policies[0], scores.shape[1]
     n_pol = len(policies)
     counts = torch.tensor([plan.n_keep for plan in plans], device=scores.device).repeat_interleave(n_kv)
     stacked = scores.repeat(1, n_pol, 1)  # (layers, P * Hkv, candidates)
     n_keep = counts.expand(stacked.shape[:-1]).contiguous()
     tail = None if draws[0].tail is None else torch.cat([d.tail for d in draws], dim=1)
-    sel = _design(first, stacked, n_keep, tail)
+    order = descending_order(scores) if order is None else order
+    sel = _design(first, stacked, n_keep, tail, order.repeat(1, n_pol, 1))
     omp_all = sel.one_minus_pi
     out = []
     for p, plan in enumerate(plans):
@@ -235,8 +239,10 @@ def _scores(policy, keys, plan, window_queries, scale, draws, pool_kernel, score
     return scores.float().clamp_min(0)
 
 
-def _design(policy: Policy, scores: torch.Tensor, n_keep, uniforms: torch.Tensor | None):
-    split = {} if policy.half is None else {"half": policy.half}  # only the randomized design splits its tail
+def _design(policy: Policy, scores: torch.Tensor, n_keep, uniforms: torch.Tensor | None, order=None):
+    extra = {} if policy.half is None else {"half": policy.half}  # only the randomized design splits its tail
+    if order is not None:
+        extra["order"] = order
     return get_design(policy.design)(
         scores,
         n_keep,
@@ -245,7 +251,7 @@ def _design(policy: Policy, scores: torch.Tensor, n_keep, uniforms: torch.Tensor
         score_power=policy.score_power,
         generator=None,
         draws=uniforms,
-        **split,
+        **extra,
     )
 
 

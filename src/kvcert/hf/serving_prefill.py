@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from kvcert.core.probe import ProbeResult, window_probe
+from kvcert.core.selection import descending_order
 from kvcert.hf.attention import (
     CompressingState,
     attention_scale,
@@ -162,11 +163,16 @@ class _LayerCompressor:
     def finish(self) -> None:
         """After the read: the deferred groups select for all layers in one design call each."""
         all_layers = list(range(len(self.full)))
+        orders: list[tuple[torch.Tensor, torch.Tensor]] = []  # (scores, their order): groups of one scorer sort once
         for g, per_layer in self.group_scores.items():
-            group = self.groups[g]
-            found = select_together([self.policies[i] for i in group], [self.plans[i] for i in group],
-                                    torch.cat(per_layer), draws=[self.draws[i] for i in group], layers=all_layers,
-                                    layer_windows=self.windows)  # fmt: skip
+            group, scores = self.groups[g], torch.cat(per_layer)
+            order = next((o for s, o in orders if s.shape == scores.shape and torch.equal(s, scores)), None)
+            if order is None:
+                order = descending_order(scores)
+                orders.append((scores, order))
+            found = select_together([self.policies[i] for i in group], [self.plans[i] for i in group], scores,
+                                    draws=[self.draws[i] for i in group], layers=all_layers,
+                                    layer_windows=self.windows, order=order)  # fmt: skip
             for i, kept in zip(group, found):
                 self.layers[i] = kept
         self.group_scores = {}

@@ -2,7 +2,8 @@
 
 Every design has the same signature, `select(scores, n_keep, *, tail_fraction, floor, score_power, generator,
 draws)`, and returns a `Selection`; `draws` are a random design's Uniform(0, 1) numbers drawn beforehand
-(`core.probabilities.uniform_draws(scores.shape, generator)`), which a compression one layer at a time slices.
+(`core.probabilities.uniform_draws(scores.shape, generator)`), which a compression one layer at a time slices, and
+`order` the scores' `core.selection.descending_order`, when the caller already has it (never needed: it saves a sort).
 The registry also says what a design promises: whether its retained set carries known
 inclusion probabilities (a certificate) and whether it applies the -log(pi) offset.
 """

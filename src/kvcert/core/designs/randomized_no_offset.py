@@ -23,6 +23,7 @@ def select(
     generator: torch.Generator | None = None,
     draws: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Selection:
     return randomized_select(
         scores,
@@ -35,4 +36,5 @@ def select(
         offset=False,
         design="randomized_no_offset",
         candidates=candidates,
+        order=order,
     )

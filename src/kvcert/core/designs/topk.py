@@ -17,8 +17,9 @@ def select(
     generator: torch.Generator | None = None,
     draws: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power, candidates)
-    head = top_head(scores, n_keep, candidates)
+    head = top_head(scores, n_keep, candidates, order)
     none = torch.zeros_like(head)
     return assemble(head, none, head.double(), design="topk", offset=False, has_certificate=False)

@@ -21,12 +21,13 @@ def select(
     generator: torch.Generator | None = None,
     draws: torch.Tensor | None = None,
     candidates: torch.Tensor | None = None,
+    order: torch.Tensor | None = None,
 ) -> Selection:
     check_design_inputs(scores, n_keep, tail_fraction, floor, score_power, candidates)
     if generator is None and draws is None:
         raise ValueError("generator: the uniform design needs an explicit torch.Generator")
     n_head, n_tail = split_head_tail(n_keep, tail_fraction)
-    head = top_head(scores, n_head, candidates)
+    head = top_head(scores, n_head, candidates, order)
     if isinstance(n_keep, torch.Tensor) or candidates is not None:  # per-row counts or candidates: pi per row
         n_all = scores.shape[-1] if candidates is None else candidates.sum(-1)
         rate = (torch.as_tensor(n_tail) / torch.as_tensor(n_all - n_head).clamp_min(1)).double().clamp_max(1.0)
