@@ -18,7 +18,19 @@ def test_read_bench_reports_the_ratio_and_the_parts(tmp_path):
         assert row["floor_ratio"] == (row["plain_s"] + row["write_s"]) / row["plain_s"] > 1
         assert set(row["parts_s"]) == set(read.PARTS)
         assert row["parts_s"]["selection (scores, design)"] > 0 and row["parts_s"]["decode buffers"] > 0
-    assert "CPU:" in out.with_suffix(".md").read_text()
+    text = out.with_suffix(".md").read_text()
+    assert "CPU:" in text and "Huge pages (THP_MEM_ALLOC_ENABLE): off" in text
+
+
+def test_huge_pages_are_asked_of_torch_for_the_run_and_said_in_the_report(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # restored after the test
+    out = tmp_path / "read"
+    args = ["--model", "tiny-llama", "--tokens", "96", "--reps", "1", "--grid", "4", "--huge-pages", "--out", str(out)]
+    assert read.main(args) == 0
+    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert "Huge pages (THP_MEM_ALLOC_ENABLE): on;" in out.with_suffix(".md").read_text()
 
 
 def test_the_floor_writes_exactly_the_buffers_the_read_leaves():
