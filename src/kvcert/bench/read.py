@@ -27,6 +27,7 @@ import time
 import torch
 
 from kvcert.bench.common import one_run_parser, one_run_setup, policy_grid, write_report
+from kvcert.hf.huge_pages import empty_on_huge_pages
 
 # the parts of a read, by the functions that do each (module path fragment, function names)
 PARTS = {
@@ -68,11 +69,11 @@ def buffer_tensors(batch) -> list[torch.Tensor]:
 
 def write_seconds(tensors: list[torch.Tensor], reps: int) -> float:
     """Median seconds to write these tensors once into new memory (allocation and first touch included, as the read
-    pays them): the floor's cost of leaving a cache of this size."""
+    pays them, on huge pages where the read asks for them): the floor's cost of leaving a cache of this size."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        copies = [torch.empty_like(t).copy_(t) for t in tensors]
+        copies = [empty_on_huge_pages(*t.shape, like=t).copy_(t) for t in tensors]
         times.append(time.perf_counter() - t0)
         del copies
     return statistics.median(times)

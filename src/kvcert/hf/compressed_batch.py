@@ -18,6 +18,7 @@ from kvcert.hf.attention import forward_with_state, kvcert_attention_on, layer_w
 from kvcert.hf.compress import Compressed
 from kvcert.hf.compressed_state import Bucket, CompressedState
 from kvcert.hf.decode import DecodeOptions, VariantResult, decode_batch
+from kvcert.hf.huge_pages import empty_on_huge_pages
 from kvcert.hf.layer_buffers import LayerBuffers, layer_groups
 from kvcert.hf.recompress import RowRecompress
 from kvcert.policy import Policy
@@ -194,21 +195,29 @@ def _build_bucket(
     recompress: list[RowRecompress] | None = None,
 ) -> Bucket:
     """Every variant's kept tokens in one set of buffers per layer, in the model's dtype (offsets and 1 - pi in
-    float32), keys stored (d, slots). The compressed layers share one width and one tail length (the widest row's),
-    so that they form one layer group. oracle(layers): the shared prefix (the prompt at compression time) of a layer
-    group; tokens read later are the variant's own, in one tensor per layer group."""
+    float32), keys stored (d, slots), the large ones on huge pages where the system allows (kvcert.hf.huge_pages).
+    The compressed layers share one width and one tail length (the widest row's), so that they form one layer group.
+    oracle(layers): the shared prefix (the prompt at compression time) of a layer group; tokens read later are the
+    variant's own, in one tensor per layer group."""
     layers = []
     n_layers = len(layer_windows)
     compressed = [i for i, w in enumerate(layer_windows) if w is None]
     shared_width = max((c.indices[i].shape[-1] for c in comps for i in compressed), default=0)
     shared_slots = max((c.tail_slots[i] for c in comps for i in compressed), default=0)
+    b = len(comps)
+    slabs = None  # whole layers: the full-attention layers' keys and values, one allocation each (huge pages)
+    if isinstance(kept, list) and compressed:
+        keys_t, values_all = kept[compressed[0]]
+        (n_kv, d, _), n_slots = keys_t.shape, shared_width + capacity
+        slabs = (empty_on_huge_pages(len(compressed), b, n_kv, d, n_slots, like=keys_t),
+                 empty_on_huge_pages(len(compressed), b, n_kv, n_slots, d, like=values_all))  # fmt: skip
     for layer in range(n_layers):
         window = layer_windows[layer]
-        b = len(comps)
         width = shared_width if window is None else max(c.indices[layer].shape[-1] for c in comps)
         slots = shared_slots if window is None else max(c.tail_slots[layer] for c in comps)
         if isinstance(kept, list):
-            keys, values = _gather_slots(kept[layer], [c.indices[layer] for c in comps], width + capacity)
+            out = None if window is not None else tuple(slab[compressed.index(layer)] for slab in slabs)
+            keys, values = _gather_slots(kept[layer], [c.indices[layer] for c in comps], width + capacity, out)
         else:
             keys, values = _write_rows(lambda row, layer=layer: kept(row, layer), b, width + capacity)
         device = keys.device
@@ -261,8 +270,8 @@ def _write_rows(
         k_row, v_row = kept_row(row)
         if keys is None:
             n_kv, d, _ = k_row.shape
-            values = v_row.new_empty(b, n_kv, n_slots, d)
-            keys = k_row.new_empty(b, n_kv, d, n_slots)
+            values = empty_on_huge_pages(b, n_kv, n_slots, d, like=v_row)
+            keys = empty_on_huge_pages(b, n_kv, d, n_slots, like=k_row)
         m = k_row.shape[-1]
         keys[row, :, :, :m] = k_row
         keys[row, :, :, m:] = 0
@@ -272,23 +281,30 @@ def _write_rows(
 
 
 def _gather_slots(
-    layer: tuple[torch.Tensor, torch.Tensor], indices: list[torch.Tensor], n_slots: int
+    layer: tuple[torch.Tensor, torch.Tensor],
+    indices: list[torch.Tensor],
+    n_slots: int,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What `_write_rows` writes, gathered from a whole layer (`WholeLayers`: keys (Hkv, d, R + 1), values
     (Hkv, R + 1, d), token R zero) by each row's kept positions (Hkv, m): every slot names its token, the padding the
-    zero one, so each buffer is written once, in one pass, with no copy in between."""
+    zero one, so each buffer is written once, in one pass, with no copy in between. out: contiguous (keys, values)
+    of the buffers' shapes to write into (else new memory)."""
     keys_t, values_all = layer
     n_kv, d, n_tokens = keys_t.shape
     b = len(indices)
     slot_tokens = torch.full((b, n_kv, n_slots), n_tokens - 1, dtype=torch.long, device=keys_t.device)
     for row, idx in enumerate(indices):
         slot_tokens[row, :, : idx.shape[-1]] = idx
-    keys = keys_t.new_empty(b, n_kv, d, n_slots)
+    if out is None:
+        out = (empty_on_huge_pages(b, n_kv, d, n_slots, like=keys_t),
+               empty_on_huge_pages(b, n_kv, n_slots, d, like=values_all))  # fmt: skip
+    keys, values = out
     for row in range(b):
         for h in range(n_kv):  # a (d, n_slots) block of the buffer per row and head: columns of the layer's K^T
             torch.index_select(keys_t[h], 1, slot_tokens[row, h], out=keys[row, h])
     flat = (slot_tokens + torch.arange(n_kv, device=keys_t.device)[:, None] * n_tokens).view(-1)
-    values = torch.index_select(values_all.reshape(n_kv * n_tokens, d), 0, flat).view(b, n_kv, n_slots, d)
+    torch.index_select(values_all.reshape(n_kv * n_tokens, d), 0, flat, out=values.view(-1, d))
     return keys, values
 
 

@@ -14,6 +14,7 @@ import torch
 from kvcert.core.certificate import tail_diagnostics
 from kvcert.core.hajek import variance_from_sums
 from kvcert.core.sketch import make_sketch, tail_features, trace_c2_from_features
+from kvcert.hf.huge_pages import empty_on_huge_pages
 
 CERTIFICATE_STATS = ("trace_c2", "ess_tail", "n_tail", "tail_max", "head_mass")
 SKETCH_K = 8  # columns of the fixed Gaussian sketch behind tr(C^2) (core/sketch.py: cost and accuracy)
@@ -101,7 +102,7 @@ class LayerGroup:
             sketch = value_sketch(first.values.shape[-1], first.values.device)
             k = sketch.shape[-1]
             shape = (len(buffers), *first.values.shape[:2], s, k * (k + 1) // 2 + 2 * k + 3)
-            self.features = torch.empty(shape, dtype=torch.float32, device=first.values.device)  # written per layer
+            self.features = empty_on_huge_pages(*shape, like=first.values, dtype=torch.float32)  # written per layer
             for local, b in enumerate(buffers):
                 tail_features(b.values[:, :, :s].float(), sketch, packed=True, out=self.features[local])
         self.psi: torch.Tensor | None = None  # tr(C^2) / V_hat^2 of the last refresh (tight_radius_every > 1)
