@@ -48,3 +48,11 @@ def test_empty_on_huge_pages_has_the_asked_shape_dtype_and_device():
     out = huge_pages.empty_on_huge_pages(3, 4, 5, like=like)
     assert out.shape == (3, 4, 5) and out.dtype == torch.float64 and out.device == like.device
     assert huge_pages.empty_on_huge_pages(2, like=like, dtype=torch.float32).dtype == torch.float32
+
+
+def test_kvcert_huge_pages_0_turns_the_advice_off(monkeypatch):
+    big = torch.empty(huge_pages.MIN_BYTES // 4 + 1)
+    monkeypatch.setenv("KVCERT_HUGE_PAGES", "0")
+    assert huge_pages.advise_huge_pages(big) is False
+    monkeypatch.setenv("KVCERT_HUGE_PAGES", "1")
+    assert huge_pages.advise_huge_pages(big) is (_thp_mode() is not None)

@@ -300,9 +300,11 @@ def _gather_slots(
         out = (empty_on_huge_pages(b, n_kv, d, n_slots, like=keys_t),
                empty_on_huge_pages(b, n_kv, n_slots, d, like=values_all))  # fmt: skip
     keys, values = out
-    for row in range(b):
-        for h in range(n_kv):  # a (d, n_slots) block of the buffer per row and head: columns of the layer's K^T
-            torch.index_select(keys_t[h], 1, slot_tokens[row, h], out=keys[row, h])
+    # a (d, n_slots) block of the buffer per row and head: columns of the layer's K^T (views made once, by unbind)
+    heads = keys_t.unbind(0)
+    blocks = zip(keys.view(b * n_kv, d, n_slots).unbind(0), slot_tokens.view(b * n_kv, n_slots).unbind(0))
+    for i, (block, tokens) in enumerate(blocks):
+        torch.index_select(heads[i % n_kv], 1, tokens, out=block)
     flat = (slot_tokens + torch.arange(n_kv, device=keys_t.device)[:, None] * n_tokens).view(-1)
     torch.index_select(values_all.reshape(n_kv * n_tokens, d), 0, flat, out=values.view(-1, d))
     return keys, values

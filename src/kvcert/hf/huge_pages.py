@@ -7,12 +7,14 @@ fewer TLB misses.
 It is advice, never a requirement: where the call does not exist (not Linux), the kernel's THP mode is `never`, or
 the tensor is not on the CPU, the memory is ordinary pages and nothing else changes. The values are whatever the
 caller writes; only where they live changes. torch's own allocator can do this for every large tensor of a process
-(`THP_MEM_ALLOC_ENABLE=1`, a user setting); this does it for kvcert's caches alone.
+(`THP_MEM_ALLOC_ENABLE=1`, a user setting); this does it for kvcert's caches alone. `KVCERT_HUGE_PAGES=0` in the
+environment turns it off (a system where compacting memory for huge pages stalls, or to measure without it).
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 from functools import cache
 
@@ -43,6 +45,8 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     madvise = _madvise()
     nbytes = tensor.untyped_storage().nbytes()
     if madvise is None or tensor.device.type != "cpu" or nbytes < MIN_BYTES:
+        return False
+    if os.environ.get("KVCERT_HUGE_PAGES", "1") == "0":
         return False
     start = tensor.untyped_storage().data_ptr()
     first = -(-start // HUGE_PAGE) * HUGE_PAGE
