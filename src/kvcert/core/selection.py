@@ -137,11 +137,13 @@ def assemble(
 
 def tail_first_order(tail: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
     """The permutation (..., n) that puts each row's tail tokens first, then its head tokens, then the rest, each
-    class by position (what a stable sort by class gives), from every token's place in its class: a count, no sort."""
+    class by position (what a stable sort by class gives), from every token's place in its class: a count, no sort
+    (32-bit counts; the rest's count is the position minus the tail's and the head's)."""
     head = head & ~tail
-    rest = ~(tail | head)
-    n_tail, n_head = tail.sum(-1, keepdim=True), head.sum(-1, keepdim=True)
-    later = torch.where(head, n_tail + head.cumsum(-1), n_tail + n_head + rest.cumsum(-1))
-    place = torch.where(tail, tail.cumsum(-1), later)  # 1-based place of each token in the new order
+    in_tail = tail.cumsum(-1, dtype=torch.int32)
+    in_head = head.cumsum(-1, dtype=torch.int32)
+    n_tail, n_head = in_tail[..., -1:], in_head[..., -1:]
+    in_rest = torch.arange(1, tail.shape[-1] + 1, device=tail.device, dtype=torch.int32) - in_tail - in_head
+    place = torch.where(tail, in_tail, torch.where(head, n_tail + in_head, n_tail + n_head + in_rest))  # 1-based
     positions = torch.arange(tail.shape[-1], device=tail.device).expand(tail.shape)
-    return torch.empty_like(place).scatter_(-1, place - 1, positions)
+    return torch.empty(tail.shape, dtype=torch.long, device=tail.device).scatter_(-1, (place - 1).long(), positions)

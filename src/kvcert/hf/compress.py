@@ -194,13 +194,38 @@ def select_together(
         kept, tails = sel.kept_counts[:, rows], sel.tail_counts[:, rows]
         widths = kept.amax(-1).tolist() if kept.numel() else [0] * len(layers)
         slots = tails.amax(-1).tolist() if kept.numel() else [0] * len(layers)
-        per_layer = []
-        for local, (width, slot) in enumerate(zip(widths, slots)):
-            here = slice(local, local + 1)
-            per_layer += _layer_kept(sel.indices[here, rows, :width], sel.offset[here, rows, :width],
-                                     omp_all[here, rows, :slot], slot, kept[here], plan, [layers[local]],
-                                     layer_windows)  # fmt: skip
-        out.append(per_layer)
+        out.append(_layers_kept(sel.indices[:, rows], sel.offset[:, rows], omp_all[:, rows], widths, slots, kept,
+                                plan, layers, layer_windows))  # fmt: skip
+    return out
+
+
+def _layers_kept(
+    indices, offset, omp, widths, slots, kept_counts, plan: Plan, layers, layer_windows
+) -> list[LayerKept]:
+    """`_layer_kept` of each layer of a selection (len(layers), Hkv, m), each cut to its own width and tail length
+    and followed by the always-kept tokens, with a few operations per layer: the layers are written into one tensor
+    (len(layers), Hkv, max width + always-kept) and each LayerKept is a view of its layer's part."""
+    n_layers, n_kv = indices.shape[0], indices.shape[1]
+    lo, hi = plan.lo, plan.hi
+    n_forced, top = hi - lo, max(widths, default=0)
+    all_indices = indices.new_zeros(n_layers, n_kv, top + n_forced)
+    all_offset = offset.new_zeros(n_layers, n_kv, top + n_forced)
+    all_indices[..., :top], all_offset[..., :top] = indices[..., :top], offset[..., :top]
+    always = torch.arange(lo, hi, device=indices.device)
+    windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
+    out = []
+    parts = zip(all_indices.unbind(0), all_offset.unbind(0), omp.unbind(0), kept_counts.unbind(0), widths, slots)
+    for local, (ind, off, tail_omp, drawn, width, slot) in enumerate(parts):
+        if windows[local] is not None:
+            out += _layer_kept(indices[local : local + 1, :, :width], offset[local : local + 1, :, :width],
+                               omp[local : local + 1, :, :slot], slot, kept_counts[local : local + 1], plan,
+                               [layers[local]], layer_windows)  # fmt: skip
+            continue
+        if n_forced:
+            ind[:, width : width + n_forced], off[:, width : width + n_forced] = always, 0.0
+        m = width + n_forced
+        out.append(LayerKept(indices=ind[:, :m], offset=off[:, :m], one_minus_pi=tail_omp[:, :slot], tail_slots=slot,
+                             drawn=drawn))  # fmt: skip
     return out
 
 
