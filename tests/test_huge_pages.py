@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvcert.bench.read import huge_page_mb
 from kvcert.hf import huge_pages
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -20,13 +21,6 @@ def _thp_mode() -> str | None:
     return text[text.index("[") + 1 : text.index("]")]
 
 
-def _anon_huge_kb() -> int:
-    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
-
-
 def test_small_tensors_are_not_advised_and_large_ones_are_where_the_kernel_has_thp():
     assert huge_pages.advise_huge_pages(torch.empty(1000)) is False  # below MIN_BYTES: no system call
     big = torch.empty(huge_pages.MIN_BYTES // 4 + 1)
@@ -35,12 +29,12 @@ def test_small_tensors_are_not_advised_and_large_ones_are_where_the_kernel_has_t
 
 @pytest.mark.skipif(_thp_mode() in (None, "never"), reason="the kernel gives no transparent huge pages")
 def test_an_advised_buffer_is_backed_by_huge_pages_once_written_and_holds_what_was_written():
-    before = _anon_huge_kb()
+    before = huge_page_mb()
     src = torch.randn(16 << 20)  # 64 MB
     out = huge_pages.empty_on_huge_pages(*src.shape, like=src)
     out.copy_(src)
     assert torch.equal(out, src)
-    assert _anon_huge_kb() - before >= 8 * 1024  # at least 8 MB of the 64 MB on huge pages (usually all of it)
+    assert huge_page_mb() - before >= 8  # at least 8 MB of the 64 MB on huge pages (usually all of it)
 
 
 def test_empty_on_huge_pages_has_the_asked_shape_dtype_and_device():
