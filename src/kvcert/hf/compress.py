@@ -122,7 +122,8 @@ def select_layers(
     n_keep = allocate(policy.allocation, scores, plan.n_keep)
     sel = _design(policy, scores, n_keep, draws.tail)
     omp = sel.one_minus_pi[..., : sel.tail_slots]
-    return _layer_kept(sel.indices, sel.offset, omp, sel.tail_slots, sel.kept_counts, plan, layers, layer_windows)
+    width, slots = [sel.indices.shape[-1]] * n_layers, [sel.tail_slots] * n_layers
+    return _layers_kept(sel.indices, sel.offset, omp, width, slots, sel.kept_counts, plan, layers, layer_windows)
 
 
 def group_key(policy: Policy, plan: Plan, read: tuple[int, int] | None) -> tuple | None:
@@ -202,11 +203,12 @@ def select_together(
 def _layers_kept(
     indices, offset, omp, widths, slots, kept_counts, plan: Plan, layers, layer_windows
 ) -> list[LayerKept]:
-    """`_layer_kept` of each layer of a selection (len(layers), Hkv, m), each cut to its own width and tail length
-    and followed by the always-kept tokens, with a few operations per layer: the layers are written into one tensor
-    (len(layers), Hkv, max width + always-kept) and each LayerKept is a view of its layer's part."""
+    """A selection (len(layers), Hkv, m) as one LayerKept per layer, each cut to its own width and tail length and
+    followed by the always-kept tokens (a sliding-window layer keeps its window exactly instead). The layers are
+    written into one tensor (len(layers), Hkv, max width + always-kept), so a layer costs a few operations, and each
+    LayerKept is a view of its layer's part."""
     n_layers, n_kv = indices.shape[0], indices.shape[1]
-    lo, hi = plan.lo, plan.hi
+    lo, hi, region = plan.lo, plan.hi, plan.region
     n_forced, top = hi - lo, max(widths, default=0)
     all_indices = indices.new_zeros(n_layers, n_kv, top + n_forced)
     all_offset = offset.new_zeros(n_layers, n_kv, top + n_forced)
@@ -215,11 +217,12 @@ def _layers_kept(
     windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
     out = []
     parts = zip(all_indices.unbind(0), all_offset.unbind(0), omp.unbind(0), kept_counts.unbind(0), widths, slots)
-    for local, (ind, off, tail_omp, drawn, width, slot) in enumerate(parts):
-        if windows[local] is not None:
-            out += _layer_kept(indices[local : local + 1, :, :width], offset[local : local + 1, :, :width],
-                               omp[local : local + 1, :, :slot], slot, kept_counts[local : local + 1], plan,
-                               [layers[local]], layer_windows)  # fmt: skip
+    for window, (ind, off, tail_omp, drawn, width, slot) in zip(windows, parts):
+        if window is not None:  # keep the window exactly
+            lo_w = max(0, region - (window - 1))
+            idx = torch.arange(lo_w, region, device=indices.device).expand(n_kv, region - lo_w)
+            zeros = torch.zeros(n_kv, region - lo_w, device=indices.device)
+            out.append(LayerKept(indices=idx, offset=zeros, one_minus_pi=zeros[:, :0], tail_slots=0, drawn=None))
             continue
         if n_forced:
             ind[:, width : width + n_forced], off[:, width : width + n_forced] = always, 0.0
@@ -278,39 +281,6 @@ def _design(policy: Policy, scores: torch.Tensor, n_keep, uniforms: torch.Tensor
         draws=uniforms,
         **extra,
     )
-
-
-def _layer_kept(
-    indices, offset, omp, tail_slots: int, kept_counts, plan: Plan, layers, layer_windows
-) -> list[LayerKept]:
-    """A selection (len(layers), Hkv, m) plus the always-kept tokens, as one LayerKept per layer (a sliding-window
-    layer keeps its window exactly instead)."""
-    n_layers, n_kv = indices.shape[0], indices.shape[1]
-    device = indices.device
-    lo, hi, region = plan.lo, plan.hi, plan.region
-    n_forced = hi - lo
-    windows = [layer_windows[i] for i in layers] if layer_windows else [None] * n_layers
-    always = torch.arange(lo, hi, device=device).expand(n_layers, n_kv, n_forced)
-    indices = torch.cat([indices, always], dim=-1)
-    offset = torch.cat([offset, torch.zeros(n_layers, n_kv, n_forced, device=device)], dim=-1)
-    out = []
-    for local, w in enumerate(windows):
-        if w is None:
-            out.append(
-                LayerKept(
-                    indices=indices[local],
-                    offset=offset[local],
-                    one_minus_pi=omp[local],
-                    tail_slots=tail_slots,
-                    drawn=kept_counts[local],
-                )
-            )
-        else:  # keep the window exactly
-            lo_w = max(0, region - (w - 1))
-            idx = torch.arange(lo_w, region, device=device).expand(n_kv, region - lo_w)
-            zeros = torch.zeros(n_kv, region - lo_w, device=device)
-            out.append(LayerKept(indices=idx, offset=zeros, one_minus_pi=zeros[:, :0], tail_slots=0, drawn=None))
-    return out
 
 
 def assemble_layers(policy: Policy, plan: Plan, layers: list[LayerKept]) -> Compressed:
