@@ -92,11 +92,14 @@ reproduce: $(STAMP) ## the five studies: lock checks -> every claim regenerated 
 	$(TIMED) study4 -- $(PY) -m kvcert.studies.study4 regenerate-check --regenerated || failed="$$failed study4"; \
 	$(TIMED) study5 -- $(PY) -m kvcert.studies.study5 regenerate-check --regenerated || failed="$$failed study5"; \
 	$(TIMED) analyze -- $(PY) -m kvcert.reproduce analyze --study all || exit 1; \
-	$(PY) -c "from kvcert.studies.walltime import totals; print('wall seconds per study:', totals())"; \
+	$(TIMED) totals --since $(REPRODUCE_SINCE); \
 	if [ -n "$$failed" ]; then echo "make reproduce: regeneration outside the locked tolerances (or not checked) for:$$failed; the tables: results/<study>/regeneration.md, the findings: preregistration/<study>/DEVIATIONS.md" >&2; exit 1; fi
 
 # every step's wall time appended to results/provenance.json (kvcert.studies.walltime; the command runs unchanged)
 TIMED = $(PY) -m kvcert.studies.walltime
+# when this make started (UTC): make reproduce's closing line counts the steps since (a resumed run: `walltime totals
+# --since <its first start>`)
+REPRODUCE_SINCE := $(shell date -u +%Y-%m-%dT%H:%M:%S)
 # make reproduce's regeneration jobs (study 1; studies 3, 4 and 5 per model; study 2) run by kvcert.studies.schedule:
 # longest first, side by side on CORES cores (default: all of this machine's), each pinning its own thread count
 CORES ?=

@@ -41,7 +41,7 @@ def test_a_failed_check_stops_nothing_after_it_and_fails_the_run_by_name(tmp_pat
     assert "make reproduce: regeneration outside the locked tolerances (or not checked) for: study4;" in out.stderr
     order = [next(i for i, c in enumerate(commands) if part in c) for part in (
         "kvcert.studies.schedule", "regenerate full --study all", "study4 regenerate-check",
-        "study5 regenerate-check", "kvcert.reproduce analyze --study all", "totals()")]  # fmt: skip
+        "study5 regenerate-check", "kvcert.reproduce analyze --study all", "walltime totals --since 20")]  # fmt: skip
     assert order == sorted(order)
 
 
@@ -49,6 +49,6 @@ def test_a_failed_check_stops_nothing_after_it_and_fails_the_run_by_name(tmp_pat
 def test_every_check_passing_passes_and_a_failed_analysis_stops_the_run(tmp_path):
     out, commands = run_recipe(tmp_path, "no command matches this")
     assert out.returncode == 0, out.stderr
-    assert "make reproduce:" not in out.stderr and any("totals()" in c for c in commands)
+    assert "make reproduce:" not in out.stderr and any("walltime totals --since 20" in c for c in commands)
     out, commands = run_recipe(tmp_path / "again", "kvcert.reproduce analyze")
-    assert out.returncode != 0 and not any("totals()" in c for c in commands)
+    assert out.returncode != 0 and not any("walltime totals --since 20" in c for c in commands)

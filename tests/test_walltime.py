@@ -85,3 +85,24 @@ def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path, monkeypat
     assert walltime.main(["study4", "--", sys.executable, "-c", "pass"]) == 0
     entries = json.loads(path.read_text())[walltime.KEY]["study4"]
     assert [e["exit_code"] for e in entries] == [None, 0] and entries[0]["step"] != entries[1]["step"]
+
+
+def test_elapsed_counts_side_by_side_steps_once_and_the_gap_before_a_resumption_not_at_all(tmp_path, capsys, monkeypatch):
+    """Two steps side by side (10:00-11:00 and 10:30-12:00), a resumption after a gap (13:00-13:30), and a step before
+    --since: elapsed is the union (2.5 h), totals the per-study sums; a bad --since is one line naming the fix."""
+    def entry(start_h: float, end_h: float) -> dict:
+        end = f"2026-12-06T{int(end_h):02d}:{int(end_h % 1 * 60):02d}:00+00:00"
+        return {"seconds": (end_h - start_h) * 3600, "finished": end}
+
+    path = tmp_path / "provenance.json"
+    steps = {"study4": [entry(10, 11), entry(13, 13.5)], "study5": [entry(10.5, 12)], "study1": [entry(8, 9)]}
+    path.write_text(json.dumps({walltime.KEY: steps}))
+    since = "2026-12-06T09:30"
+    assert walltime.elapsed(path, since) == 2.5 * 3600
+    assert walltime.totals(path, since) == {"study4": 1.5 * 3600, "study5": 1.5 * 3600}  # study1 began before
+    assert walltime.elapsed(path) == 3.5 * 3600 and walltime.totals(path)["study1"] == 3600
+    monkeypatch.setattr(walltime, "PROVENANCE", path)
+    assert walltime.main(["totals", "--since", since]) == 0
+    assert "elapsed since 2026-12-06T09:30: 9,000 s (2.50 h" in capsys.readouterr().out
+    assert walltime.main(["totals", "--since", "yesterday"]) == 2
+    assert "give an ISO time such as" in capsys.readouterr().err

@@ -9,6 +9,13 @@ its exit code when it ends, so a step killed by a signal it cannot catch (SIGKIL
 seconds up to its last rewrite. A resumed step adds another entry, so a study's wall time is the sum of its entries
 (`totals`). A step stopped by Ctrl-C or SIGTERM is recorded with its exit code (130, 143) after the command has
 stopped. The commit is the one checked out when the step started. The file's other keys are kept.
+
+    python -m kvcert.studies.walltime totals [--since 2026-12-06T19:34]
+
+prints, over the steps that started at or after --since (UTC; default: every step), each study's summed seconds and
+the run's elapsed wall time: the union of the steps' intervals, so steps side by side count once and the time between
+a killed run and its resumption not at all. `make reproduce` prints it for its own invocation; a run resumed across
+invocations gives its first start as --since.
 """
 
 from __future__ import annotations
@@ -77,17 +84,66 @@ def _write(study: str, command: list[str], seconds: float, code, path: Path, cpu
     return entry
 
 
-def totals(path: Path | None = None) -> dict[str, float]:
-    """{study: wall seconds summed over its recorded steps} (steps of studies run side by side overlap)."""
+def _utc(stamp: str) -> datetime:
+    """An ISO time; one without a zone is UTC."""
+    t = datetime.fromisoformat(stamp)
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def _intervals(path: Path | None, since: str | None) -> dict[str, list[tuple[float, float]]]:
+    """{study: [(start, end) in POSIX seconds]} of the steps that started at or after `since` (None: every step)."""
     path = path or PROVENANCE
     data = json.loads(path.read_text()) if path.is_file() else {}
-    return {study: round(sum(e["seconds"] for e in entries), 1) for study, entries in data.get(KEY, {}).items()}
+    start = _utc(since).timestamp() if since else float("-inf")
+    out: dict[str, list[tuple[float, float]]] = {}
+    for study, entries in data.get(KEY, {}).items():
+        spans = [(_utc(e["finished"]).timestamp() - e["seconds"], _utc(e["finished"]).timestamp()) for e in entries]
+        if kept := [(a, b) for a, b in spans if a >= start]:
+            out[study] = kept
+    return out
+
+
+def totals(path: Path | None = None, since: str | None = None) -> dict[str, float]:
+    """{study: wall seconds summed over its steps started at or after `since`} (steps side by side overlap)."""
+    return {study: round(sum(b - a for a, b in spans), 1) for study, spans in _intervals(path, since).items()}
+
+
+def elapsed(path: Path | None = None, since: str | None = None) -> float:
+    """Wall seconds during which at least one step that started at or after `since` ran: the union of the steps'
+    intervals (side by side once; the gap between a killed run and its resumption not at all)."""
+    spans = sorted(span for spans in _intervals(path, since).values() for span in spans)
+    total, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return round(total, 1)
+
+
+def _print_totals(args: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvcert.studies.walltime totals")
+    ap.add_argument("--since", default=None, help="count the steps that started at or after this ISO time (UTC)")
+    opts = ap.parse_args(args)
+    try:
+        sums, wall = totals(since=opts.since), elapsed(since=opts.since)
+    except ValueError as err:  # a --since that is no ISO time
+        print(f"error: --since {opts.since!r}: {err}; give an ISO time such as 2026-12-06T19:34", file=sys.stderr)
+        return 2
+    since = f" since {opts.since}" if opts.since else ""
+    print(f"wall seconds per study{since} (summed over its steps): {sums}")
+    print(f"elapsed{since}: {wall:,.0f} s ({wall / 3600:.2f} h; steps side by side counted once)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["totals"]:
+        return _print_totals(args[1:])
     if len(args) < 3 or args[1] != "--":
-        print("usage: python -m kvcert.studies.walltime <study> -- <command ...>", file=sys.stderr)
+        print("usage: python -m kvcert.studies.walltime <study> -- <command ...> | totals [--since ISO]",
+              file=sys.stderr)  # fmt: skip
         return 2
     study, command = args[0], args[2:]
     commit = _commit()  # the code the step starts with (a checkout may move on while it runs)
