@@ -35,14 +35,14 @@ class Job:
     study: str  # its key in results/provenance.json
     args: tuple[str, ...]  # after the Python executable
     threads: int
-    estimate_s: float  # measured on an Intel Xeon, 1 thread per job (study 2: 2 threads; 1 h 54 min on Zen 3)
+    estimate_s: float  # the run on the final code, Intel Xeon, 1 thread per job, two side by side (study 2: 2 threads)
 
 
 JOBS = (
-    Job("study1", "study1", ("-m", "kvcert.reproduce", "run", "--study", "study1"), 1, 3_600),
-    Job("study2", "study2", ("-m", "kvcert.reproduce", "run", "--study", "study2"), 2, 6_900),
-    Job("study3_smollm2", "study3", ("-m", "kvcert.reproduce", "run", "--study", "study3_smollm2"), 1, 4_400),
-    Job("study3_gemma3", "study3", ("-m", "kvcert.reproduce", "run", "--study", "study3_gemma3"), 1, 4_600),
+    Job("study1", "study1", ("-m", "kvcert.reproduce", "run", "--study", "study1"), 1, 1_700),
+    Job("study2", "study2", ("-m", "kvcert.reproduce", "run", "--study", "study2"), 2, 4_400),
+    Job("study3_smollm2", "study3", ("-m", "kvcert.reproduce", "run", "--study", "study3_smollm2"), 1, 2_300),
+    Job("study3_gemma3", "study3", ("-m", "kvcert.reproduce", "run", "--study", "study3_gemma3"), 1, 2_150),
     *(
         Job(
             f"study{n}_{model}",
@@ -52,10 +52,10 @@ JOBS = (
             estimate,
         )  # fmt: skip
         for n, model, estimate in (
-            (4, "smollm2", 6_500),
-            (4, "gemma3", 7_000),
-            (5, "smollm2", 4_800),
-            (5, "gemma3", 5_000),
+            (4, "smollm2", 4_650),
+            (4, "gemma3", 4_700),
+            (5, "smollm2", 3_550),
+            (5, "gemma3", 3_900),
         )
     ),
 )
