@@ -87,9 +87,10 @@ def test_a_killed_step_keeps_the_seconds_of_its_last_rewrite(tmp_path, monkeypat
     assert [e["exit_code"] for e in entries] == [None, 0] and entries[0]["step"] != entries[1]["step"]
 
 
-def test_elapsed_counts_side_by_side_steps_once_and_the_gap_before_a_resumption_not_at_all(tmp_path, capsys, monkeypatch):
+def test_elapsed_counts_side_by_side_steps_once_and_a_gap_not_at_all(tmp_path, capsys, monkeypatch):
     """Two steps side by side (10:00-11:00 and 10:30-12:00), a resumption after a gap (13:00-13:30), and a step before
     --since: elapsed is the union (2.5 h), totals the per-study sums; a bad --since is one line naming the fix."""
+
     def entry(start_h: float, end_h: float) -> dict:
         end = f"2026-12-06T{int(end_h):02d}:{int(end_h % 1 * 60):02d}:00+00:00"
         return {"seconds": (end_h - start_h) * 3600, "finished": end}
