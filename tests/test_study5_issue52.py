@@ -160,3 +160,38 @@ def test_the_published_report_says_which_verdicts_are_fragile():
     claims = json.loads(Path("results/study5/claims.json").read_text())
     assert claims["smollm2"]["claims"]["P2"]["verdict"] == "supported"
     assert claims["gemma3"]["claims"]["P1"]["verdict"] == "inconclusive"
+
+
+# ------------------------------------------------------------------------- the same comparison in kvcert.generate
+class _Tokenizer:
+    """Six tokens: "7", "0", an EOS, "\\n" (the stop string itself), ".\\n" and "8"."""
+
+    vocab = {0: "7", 1: "0", 2: "", 3: "\n", 4: ".\n", 5: "8"}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.vocab[i] for i in ids)
+
+
+def test_generates_draws_compare_answers_not_end_tokens():
+    """kvcert.generate's draws (kvcert.hf.draws.agreement_of with answer_end): a draw ending draw 0's answer "70"
+    with an EOS where draw 0 reached the stop string agrees; one that adds "." before the stop, or goes on, differs."""
+    from kvcert.hf.decode import VariantResult, answer_length
+    from kvcert.hf.draws import agreement_of, answer_end
+    from kvcert.serve.generate import default_policy
+
+    tok, eos, stops = _Tokenizer(), {2}, ("\n",)
+    tokens = [0, 1, 3]
+    n, text = answer_length(tok, tokens, eos, stops)
+    assert (n, text) == (2, "70")
+
+    def row(own=None):
+        return VariantResult(policy=default_policy(0.25), tokens=list(tokens), logprobs=[-0.1] * 3, n_answer=n,
+                             answer=text, kept_tokens=1.0, stats={}, own_tokens=own)  # fmt: skip
+
+    leader = row()
+    followers = [row([0, 1, 2]), row([0, 1, 4]), row([0, 1, 5])]
+    ends = answer_end(tok, eos, stops, leader)
+    assert [ends(t) for t in (2, 3, 4, 5)] == [True, True, False, False]
+    got = agreement_of(leader, followers, ends)
+    assert got.row_differs == [False, True, True] and got.differs == pytest.approx(2 / 3)
+    assert agreement_of(leader, followers).row_differs == [True, True, True]  # tokens compared
