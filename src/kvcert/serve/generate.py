@@ -241,7 +241,7 @@ def generate(
     answer with the answer's signal (the answer restarts with the full cache when it says so)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
-    from kvcert.hf.draws import agreement_of, as_draws, draw_policies
+    from kvcert.hf.draws import agreement_of, answer_end, as_draws, draw_policies
     from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
@@ -324,7 +324,8 @@ def generate(
         trigger = stream.segment(batch, opts, current, follow)
         kv_held = max(kv_held, answer_kv_bytes(batch, rows, len(prompt.input_ids), qs, opts))  # re-compressions
         if follow:  # the draws' agreement about draw 0's answer (as far as it was decoded)
-            agreement = agreement_of(stream.results[0], stream.results[1:])
+            ends = answer_end(tokenizer, eos, tuple(stops), stream.results[0])  # answers compared, not end tokens
+            agreement = agreement_of(stream.results[0], stream.results[1:], ends)
         if trigger is None:
             n_answer = answer_length(tokenizer, [t.id for t in stream.steps], eos, tuple(stops))[0]
             why = stream.after_answer(current, agreement if follow else None, n_answer, escalator)
