@@ -62,7 +62,7 @@ class Study5:
             frame["score_confidence"] = frame["confidence"].astype(float)
             frame["score_certificate"] = frame["certificate"].astype(float)
             frame["score_differs"] = frame[f"differs_{self.variant}"].astype(float)  # as recorded: end tokens
-            frame["score_differs_answers"] = answers_differ_score(frame, self.variant)  # the answers (issue #52)
+            frame["score_differs_answers"] = answers_differ_score(frame, self.variant)  # answers, not end tokens
             frame["score_random"] = random_score(frame)
 
     def kv_column(self, signal: str) -> str:
@@ -74,7 +74,7 @@ class Study5:
 
     def overall(self, signal: str, rate: float = RATE, ties: str = "strict") -> pd.DataFrame:
         """The calibration's threshold at `rate`; ties "strict" (the claims' rule: a tie never escalates) or "drawn"
-        (a seeded draw among the tied that holds the rate, issue #52)."""
+        (a seeded draw among the tied that holds the rate)."""
         cal = self.cal[f"score_{signal}"].to_numpy(np.float64)
         scores = self.conf[f"score_{signal}"].to_numpy(np.float64)
         cut = threshold(cal, rate)
@@ -176,7 +176,7 @@ def evaluate_claim(answers: pd.DataFrame, design: Mapping, spec: Mapping) -> dic
     return dict(result, verdict=verdict(spec["rule"], result, float(spec.get("margin", 0.0))), unit=spec["unit"])
 
 
-SIGNAL_ROWS = {  # the table's row name of each signal (issue #52: the flag from the answers beside the recorded one)
+SIGNAL_ROWS = {  # the table's row name of each signal (the flag from the answers beside the recorded one)
     "agreement": "agreement",
     "confidence": "confidence",
     "certificate": "certificate",
@@ -190,7 +190,7 @@ LEGEND = (
     "Each budget's table: `within_*` escalates the top 20% of each task x length cell; `overall_*` escalates the\n"
     "scores above the calibration split's 20% threshold, a score equal to it never (strict `>`, the pre-registered\n"
     "rule every claim uses); `drawn_*` is the same threshold with the rows tied at it escalated by a seeded draw that\n"
-    "holds the rate on the calibration split (kvcert.serve.escalator's tie rule; issue #52, reported, no verdict).\n"
+    "holds the rate on the calibration split (kvcert.serve.escalator's tie rule; reported, no verdict).\n"
     '"differs (recorded: end tokens compared)" is the pre-registered flag (`differs_r3` of the records: a different\n'
     'token ending the same answer counts as a difference); "differs (answers compared)" compares the draws\' answers\n'
     '(texts up to the stop). "oracle (uncapped ...)" escalates every cache-induced failure (the pre-registered row,\n'

@@ -1,4 +1,4 @@
-"""How fragile study 5's within-cell verdicts are (issue #52; exploratory, no verdict of its own).
+"""How fragile study 5's within-cell verdicts are (exploratory, no verdict of its own).
 
 The pre-registered interval of a within-cell claim (P1, P2) fixes each signal's escalations on the whole
 confirmatory split and resamples examples (2000 resamples, seed 20260101). Two things it leaves open move verdicts
@@ -94,7 +94,7 @@ def reselected(s, spec: Mapping, n_boot: int, seed: int, rate: float) -> dict:
 def lines(model: str, studies: Mapping, specs: Mapping, claims: Mapping, n_boot: int, seed: int, rate: float) -> list:
     """The report's paragraph: per within-cell claim, the published interval, the interval under seeds 1-9 and with
     the selection redone, and whether the verdict holds under each. studies: claim id -> its `analysis.Study5`."""
-    out = ["### how fragile the within-cell verdicts are (exploratory, issue #52; no verdict changes)", ""]
+    out = ["### how fragile the within-cell verdicts are (exploratory; no verdict changes)", ""]
     rows = []
     for cid in CLAIMS:
         if cid not in claims or cid not in studies:

@@ -7,7 +7,7 @@ tokens compared) and `answers_differ_score` (the draws' answers compared), rando
 
 Overall escalation with a threshold from the calibration split: `above` (strict, the pre-registered rule of every
 claim: a score equal to the threshold never escalates) and `above_or_drawn` (ties at the threshold escalate by a
-seeded draw that holds the rate, the rule of kvcert.serve.escalator; issue #52).
+seeded draw that holds the rate, the rule of kvcert.serve.escalator).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def threshold(calibration_scores: np.ndarray, rate: float) -> float:
 
 def above(scores: np.ndarray, cut: float) -> np.ndarray:
     """Strictly above the threshold (the pre-registered rule of every claim): a score equal to it never escalates, so
-    a score with few values whose threshold is its largest value escalates nothing (the "differs" flag, issue #52)."""
+    a score with few values whose threshold is its largest value escalates nothing (the "differs" flag)."""
     return np.isfinite(scores) & (scores > cut)
 
 

@@ -1,4 +1,4 @@
-"""Issue #52: the four defects an independent recomputation of study 5 found, each with the test that would have
+"""The four defects an independent recomputation of study 5 found, each with the test that would have
 caught it (the tie rule, the answer comparison, the capped oracle; the docs are checked in tests/test_docs.py)."""
 
 from __future__ import annotations
