@@ -275,8 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     # the stream may show a stop string the answer then drops: the answer line is the result
     print()
-    print(f"answer: {gen.text}")
-    print(gen.summary())
+    print(gen.summary())  # "answer: <text>" first, then what its numbers mean and what to do
     if gen.budget_choice is not None:
         c = gen.budget_choice
         rungs = ", ".join(f"{b}: {e:.3g}" for b, e in c.errors.items())

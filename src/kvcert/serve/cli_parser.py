@@ -13,7 +13,7 @@ def _generate_parser(sub) -> None:
         "generate",
         help="answer a question about a document from a compressed cache",
         description="Answer a question about a document from a compressed KV cache, with a calibrated certificate "
-        "for every token (and, by default, study 4's escalation to the full cache).",
+        "for every token. Nothing is escalated unless --escalate asks (default none).",
     )
     g.add_argument(
         "--model",

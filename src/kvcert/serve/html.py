@@ -14,7 +14,7 @@ import math
 from html import escape
 from pathlib import Path
 
-from kvcert.serve.generation import Generation, draws_phrase
+from kvcert.serve.generation import Generation, draws_phrase, policy_words
 from kvcert.serve.stream import Escalated, Token
 
 LAYERS_PER_LINE = 5  # per-layer values in the hover card, this many to a line
@@ -225,7 +225,7 @@ def render_html(
         "<h2>Answer</h2>",
         f'<div class="answer">{"".join(pieces) or "<i>(empty answer)</i>"}</div>',
         f'<p class="meta">{len(gen.steps)} tokens, stopped at {escape(gen.stopped)}; prompt {gen.prompt_tokens} '
-        f"tokens; policy {escape(gen.policy.label)}; calibration {calibrated}. Hover a token for its details "
+        f"tokens; policy: {escape(policy_words(gen.policy))}; calibration {calibrated}. Hover a token for its details "
         "(or open this page at #t&lt;index&gt;).</p>",
         _draws_line(gen),
         "<h2>Legend</h2>",

