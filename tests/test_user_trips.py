@@ -91,3 +91,43 @@ def test_the_generate_help_states_the_defaults_it_has():
     defaults = {a.dest: a.default for a in sub._actions}
     assert defaults["escalate"] == "none" and "(default none)" in text
     assert defaults["budget"] == "0.25" and "(default 0.25)" in text
+
+
+# ---------------------------------------------------------------------------------------------- your own data
+def test_a_correct_sentence_scores_correct_under_the_jsonl_default(tmp_path):
+    """A chat model answers in sentences: under token F1 >= 0.5 (the old default) "The key is under the blue mat by
+    the door." scored 0.18 against "the blue mat"; the default (conf/task/jsonl.yaml, load_jsonl_examples) checks
+    every gold answer as a substring, as the packaged tasks do."""
+    import json
+
+    from conftest import compose
+    from kvcert.tasks import load_jsonl_examples, score
+
+    data = tmp_path / "mine.jsonl"
+    row = {"context": "Bob keeps the red key under the blue mat by the door.", "question": "Where is the key?"}
+    data.write_text(json.dumps({**row, "answers": ["the blue mat", "under the mat"]}) + "\n")
+    cfg = compose(["task=jsonl", f"task.path={data}"])
+    assert cfg.task.metric == "contains"
+    (ex,) = load_jsonl_examples(data, metric=cfg.task.metric)
+    assert load_jsonl_examples(data)[0].metric == "contains"
+    sentence = "The key is under the blue mat by the door, where Bob keeps it."
+    assert score(sentence, ex) == (1.0, True) and score("Under the stairs.", ex)[1] is False
+    assert score(sentence, load_jsonl_examples(data, metric="f1")[0])[1] is False  # what tripped the user
+
+
+def test_a_cell_whose_full_cache_scores_zero_warns_in_one_line(tmp_path, tiny_smol, capsys):
+    import json
+
+    from conftest import compose
+    from kvcert.run import run_cell
+
+    data = tmp_path / "mine.jsonl"
+    rows = [{"context": "Anna planted tulips and a single fig tree.", "question": "Which tree?", "answers": ["zq"]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = compose([f"results_dir={tmp_path / 'runs'}", "task=jsonl", f"task.path={data}", "budget=0.5",
+                   "decode.max_new_tokens=2", "threads=1", "records.steps=none",
+                   "policy.grid=[{scorer: window_question, designs: [randomized]}]"])  # fmt: skip
+    model, tok = tiny_smol
+    run_cell(cfg, model=model, tokenizer=tok)
+    lines = [x for x in capsys.readouterr().err.splitlines() if "full cache scored 0" in x]
+    assert len(lines) == 1 and "task.metric=contains" in lines[0], lines

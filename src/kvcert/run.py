@@ -213,7 +213,22 @@ def run_cell(
             after_shard(written)
     examples_df, _ = store.merge(len(examples))
     _summary(run_dir.name, examples_df, time.perf_counter() - started, log)
+    _warn_full_cache_zero(cfg, examples_df, log)
     return run_dir
+
+
+def _warn_full_cache_zero(cfg: DictConfig, df: pd.DataFrame, log: Path | None = None) -> None:
+    """One line when the full cache answered none of a cell's examples correctly: the metric, not the cache, is the
+    likely cause (a sentence answer under exact match or F1), or the model cannot do the task at all."""
+    full = df[df.design == "full"]
+    if len(full) and not full.correct.any():
+        metric = f"task.metric={cfg.task.metric}" if cfg.task.dataset == "jsonl" else "the task's metric"
+        _warn(
+            f"warning: the full cache scored 0 of {len(full)} examples on this cell: check the answers in "
+            f"examples.parquet against {metric} (task=jsonl: task.metric=contains|exact|f1|pkg.mod:func) before "
+            "reading the policies' accuracy",
+            log,
+        )
 
 
 def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> DecodeOptions:
