@@ -377,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvcert.serve.calibration import CalibrationError
 
     args = build_parser().parse_args(argv)
-    command = {"generate": cmd_generate, "calibrate": cmd_calibrate}[args.command]
+    from kvcert.report import cmd_report
+
+    command = {"generate": cmd_generate, "calibrate": cmd_calibrate, "report": cmd_report}[args.command]
     with warnings.catch_warnings():
         warnings.showwarning = _print_warning
         try:

@@ -115,11 +115,14 @@ def _calibrate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser; the chosen subcommand is `args.command` ("generate" or "calibrate")."""
+    """The parser; the chosen subcommand is `args.command` ("generate", "calibrate" or "report")."""
     parser = argparse.ArgumentParser(
         prog="kvcert", description="KV-cache eviction with a calibrated certificate for every generated token."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _calibrate_parser(sub)
+    from kvcert.report import add_parser as report_parser
+
+    report_parser(sub)  # kvcert report <runs or multirun folder>
     return parser
