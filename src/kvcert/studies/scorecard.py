@@ -94,7 +94,7 @@ def preregistered_text(row: Mapping) -> str:
     cells = row.get("studies") or {}
     missing = sum(1 for c in cells.values() if not c.get("evaluated", True))
     if label == "open" and missing and row.get("replication") != "open":
-        return f"open ({missing} of {len(cells)} columns did not evaluate it, and the rule counts them as open)"
+        return f"open ({missing} not evaluated)"
     return label
 
 
@@ -150,6 +150,11 @@ def claim_summary_rows(card: Mapping) -> list[list[str]]:
     return rows
 
 
+PREREGISTERED_NOTE = (
+    "'pre-registered rule': the replication rule as locked (study 2's PLAN.md section 6) counts a column that did "
+    "not evaluate the claim as open, so a claim that some columns did not evaluate reads 'open (n not evaluated)' "
+    "under it, however the others decided it; 'replication' applies the same rule to the columns that evaluated it."
+)
 SUMMARY_HEADER = ["claim", "paper", "ours: verdicts of the study x model columns that evaluated it", "reading"]
 HOW_TO_READ = (
     "First table: each claim once, the paper's verdict and ours (how many study x model columns decided it which way; "
@@ -409,7 +414,7 @@ def combined_markdown(card: Mapping) -> str:
     lines = ["# Scorecard: " + " and ".join(card["studies"]), "", HOW_TO_READ, ""]
     lines += ["## What holds: one row per claim", "", *table(SUMMARY_HEADER, claim_summary_rows(card))]
     header, body, _ = _table(card)
-    lines += ["", "## Every study's verdict and estimate", "", *table(header, body)]
+    lines += ["", "## Every study's verdict and estimate", "", *table(header, body), "", PREREGISTERED_NOTE]
     dependence = _dependence_rows(card)
     if dependence:
         lines += ["", "## Model dependence (study 3: SmolLM2 - Gemma 3, read as declared in its PLAN.md)", ""]
@@ -456,7 +461,7 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #999;"
         "padding:4px 8px;vertical-align:top}.replicated{background:#e8f5e9}.flipped{background:#ffebee}"
         ".open{background:#fffde7}.wide{overflow-x:auto}.wide table{font-size:12px}.wide td:first-child"
-        "{min-width:22em}details{margin:1em 0}summary{cursor:pointer;font-weight:bold}"
+        "{min-width:16em}details{margin:1em 0}summary{cursor:pointer;font-weight:bold}"
     )
     title = "Scorecard: " + " and ".join(card["studies"])
     return (
@@ -464,6 +469,7 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><p>{html.escape(HOW_TO_READ)}</p>"
         f"<h2>What holds: one row per claim</h2>{table(SUMMARY_HEADER, summary, summary_classes)}"
         f"<h2>Every study's verdict and estimate</h2><div class='wide'>{table(header, body, classes)}</div>"
+        f"<p>{html.escape(PREREGISTERED_NOTE)}</p>"
         f"{sec_html}<h2>Notes</h2><ul>{notes}</ul><h2>Figures</h2>{imgs}"
         "<details><summary>Pre-registration: each study's lock and its recorded deviations</summary>"
         f"<ul>{locks}</ul></details></body></html>\n"
