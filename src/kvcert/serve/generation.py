@@ -171,7 +171,7 @@ class Generation:
             redo = "redo it with the full cache (policy=FULL, `--budget 1`) or a larger budget=, or pass "
             return (
                 f"what you can do: this answer is among the {REFERENCE_RATE:.0%} the calibration flags; {redo}"
-                f"escalate='study4' to restart such answers automatically {rank}"
+                f"escalate='study4' (`--escalate study4`) to restart such answers automatically {rank}"
             )
         if verdict == "below":
             return ("what you can do: nothing flags this answer; escalate='study4' (`--escalate study4`) restarts "

@@ -148,11 +148,12 @@ def escalation_threshold(gen: Generation) -> tuple[float | None, str | None]:
     return gen.threshold, f"the escalation threshold: the calibration's for escalating {esc.rate:g} of answers {where}"
 
 
-def _scale_caption(top: float, threshold: float | None, threshold_label: str | None) -> str:
+def _scale_caption(top: float, threshold: float | None, threshold_label: str | None, reference=None) -> str:
     if threshold is not None:
         label = escape(threshold_label or "escalation threshold")
         return f"0 &rarr; {top:.3g} ({label}; red at or above it)"
-    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied)"
+    ref = "" if reference is None else f"; the calibration's threshold for a 20% escalation rate here: {reference:.3g}"
+    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied{ref})"
 
 
 def _draws_line(gen: Generation) -> str:
@@ -230,7 +231,8 @@ def render_html(
         _draws_line(gen),
         "<h2>Legend</h2>",
         '<div class="legend">',
-        f'<span><span class="scale"></span> certificate {_scale_caption(top, threshold, threshold_label)}</span>',
+        f'<span><span class="scale"></span> certificate '
+        f"{_scale_caption(top, threshold, threshold_label, gen.reference_threshold)}</span>",
         '<span><span class="tok" style="background:hsl(120,65%,78%)">solid</span> trusted</span>',
         '<span><span class="tok untrusted" style="background:hsl(120,65%,78%)">dotted</span> untrusted</span>',
         '<span><span class="tok exact" style="background:hsl(120,65%,78%)">exact</span> read exactly with the '
