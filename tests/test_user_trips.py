@@ -131,3 +131,16 @@ def test_a_cell_whose_full_cache_scores_zero_warns_in_one_line(tmp_path, tiny_sm
     run_cell(cfg, model=model, tokenizer=tok)
     lines = [x for x in capsys.readouterr().err.splitlines() if "full cache scored 0" in x]
     assert len(lines) == 1 and "task.metric=contains" in lines[0], lines
+
+
+def test_the_analysis_log_rounds_as_the_scorecard_does():
+    """`make analyze` printed 16-digit floats ("observed 0.9136839787046612 CI [0.910976833866059, ...]"); a claim's
+    line now carries the scorecard's rounding, and a claim without an evaluation says so."""
+    from kvcert.studies.analyze import claim_line
+
+    c1 = {"verdict": "refuted", "observed": 0.9136839787046612, "ci": [0.910976833866059, 0.9162149844440798],
+          "unit": "", "paper_verdict": "supported"}  # fmt: skip
+    assert claim_line(c1) == "refuted      observed 0.914 [0.911, 0.916] (paper: supported)"
+    c2 = {"verdict": "refuted", "observed": -6.26984126984127, "ci": [-8.17, -4.44], "unit": "points"}
+    assert claim_line(c2) == "refuted      observed -6.3 [-8.2, -4.4] points (paper: n/a)"
+    assert claim_line({"evaluated": False}) == "not evaluated"
