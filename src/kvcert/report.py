@@ -206,8 +206,10 @@ def report_markdown(table: pd.DataFrame, notes: list[str], title: str) -> str:
     from kvcert.analysis.tables import markdown_table
 
     body = pd.DataFrame([[c.replace("|", "\\|") for c in r] for r in _cells(table)], columns=HEADER)
-    lines = [f"# {title}", "", markdown_table(body, parse_numbers=False), "", "![report](report.png)", ""]
-    return "\n".join(lines + [f"- {n}" for n in notes]) + "\n"
+    warn = [f"**{n}**" for n in notes if n.startswith("warning:")]  # above the table, where it is read
+    lines = [f"# {title}", "", *(warn and [*warn, ""]), markdown_table(body, parse_numbers=False), "",
+             "![report](report.png)", ""]  # fmt: skip
+    return "\n".join(lines + [f"- {n}" for n in notes if not n.startswith("warning:")]) + "\n"
 
 
 def report_html(table: pd.DataFrame, notes: list[str], title: str, png: Path) -> str:
@@ -216,10 +218,11 @@ def report_html(table: pd.DataFrame, notes: list[str], title: str, png: Path) ->
     image = base64.b64encode(png.read_bytes()).decode()
     style = ("body{font-family:sans-serif;margin:2em;max-width:1100px}table{border-collapse:collapse}"
              "td,th{border:1px solid #999;padding:4px 8px}td:nth-child(n+2){text-align:right}")  # fmt: skip
-    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    items = "".join(f"<li>{html.escape(n)}</li>" for n in notes if not n.startswith("warning:"))
+    warn = "".join(f"<p><b>{html.escape(n)}</b></p>" for n in notes if n.startswith("warning:"))
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title><style>{style}</style>"
-        f"</head><body><h1>{html.escape(title)}</h1><table><tr>{head}</tr>{rows}</table>"
+        f"</head><body><h1>{html.escape(title)}</h1>{warn}<table><tr>{head}</tr>{rows}</table>"
         f"<p><img alt='accuracy and coverage against budget' style='max-width:100%' "
         f"src='data:image/png;base64,{image}'></p><ul>{items}</ul></body></html>\n"
     )
