@@ -37,7 +37,10 @@ class Draws:
         if self.variant not in VARIANTS:
             raise ValueError(f"draws variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 2:
-            raise ValueError(f"draws count={self.count!r}: agreement needs at least 2 draws")
+            raise ValueError(
+                f"draws count={self.count!r}: agreement needs at least 2 draws; pass draws=2 or more (--draws 2), "
+                "or draws=None for one draw"
+            )
         if self.variant == "split" and self.count != 2:
             raise ValueError("split halves are 2 rows (half 0 and half 1 of one draw's tail): set count=2")
 
