@@ -217,9 +217,10 @@ def _request_budget(text: str) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvcert.serve.budget_cli import budget_file_arg
     from kvcert.serve.validate import validate_request
 
-    budget = _request_budget(args.budget)
+    budget = budget_file_arg(args.budget_file, args.group) or _request_budget(args.budget)
     context = _read_text(args.context_file, "context file")
     try:  # the API's own check, before the model loads (generate repeats it with the tokenizer)
         validate_request(context=context, question=args.question, max_new_tokens=args.max_new_tokens,
@@ -227,7 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     model_name = _model_name(args.model)
-    calibration = _calibration_arg(args.calibration, model_name, budget)
+    calibration = _calibration_arg(args.calibration, model_name, getattr(budget, "budget", budget))
     draws = _draws_arg(args.draws, args.draws_variant)
     escalate = _escalate_arg(args.escalate, args.escalate_scope, args.escalate_signal, draws)
     tolerance, ladder = _tolerance_args(args.tolerance, args.ladder)
@@ -378,7 +379,10 @@ def main(argv: list[str] | None = None) -> int:
     from kvcert.serve.calibration import CalibrationError
 
     args = build_parser().parse_args(argv)
-    command = {"generate": cmd_generate, "calibrate": cmd_calibrate}[args.command]
+    from kvcert.serve.budget_cli import cmd_calibrate_budget
+
+    command = {"generate": cmd_generate, "calibrate": cmd_calibrate, "calibrate-budget": cmd_calibrate_budget}
+    command = command[args.command]
     with warnings.catch_warnings():
         warnings.showwarning = _print_warning
         try:

@@ -32,6 +32,9 @@ def _generate_parser(sub) -> None:
     g.add_argument(
         "--budget", default="0.25", help="share of the prompt the cache keeps, in (0, 1] (default %(default)s)"
     )
+    g.add_argument("--budget-file", default=None, help="use the budget a `kvcert calibrate-budget` file chose "
+                   "(and state its guarantee; --budget is then ignored)")  # fmt: skip
+    g.add_argument("--group", default=None, help="with --budget-file: the prompt's group (default: the pooled budget)")
     g.add_argument(
         "--max-new-tokens", type=int, default=64, help="the most tokens the answer may have (default %(default)s)"
     )
@@ -115,11 +118,14 @@ def _calibrate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser; the chosen subcommand is `args.command` ("generate" or "calibrate")."""
+    """The parser; the chosen subcommand is `args.command` ("generate", "calibrate" or "calibrate-budget")."""
     parser = argparse.ArgumentParser(
         prog="kvcert", description="KV-cache eviction with a calibrated certificate for every generated token."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _calibrate_parser(sub)
+    from kvcert.serve.budget_cli import add_parser
+
+    add_parser(sub)  # calibrate-budget
     return parser

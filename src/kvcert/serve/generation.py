@@ -48,6 +48,7 @@ class Generation:
     agreement: Agreement | None = None
     confidence: float = math.nan  # minus the lowest log-probability of the answer's cache-dependent tokens
     escalator: dict | None = None  # with a RateEscalator: its reading of this answer and its counts so far
+    guarantee: str | None = None  # with budget= a calibrate-budget file: its guarantee in one sentence
 
     @property
     def tokens(self) -> list[int]:
@@ -113,6 +114,8 @@ class Generation:
             n, k, rate = self.escalator["answers"], self.escalator["escalations"], self.escalator["rate"]
             share = f" ({k / n:.0%})" if n else ""
             line += f"; escalated {k} of {n} answers{share}, target {rate:.0%}"
+        if self.guarantee:
+            line += f"; {self.guarantee}"
         return line
 
     def to_dict(self) -> dict:
