@@ -109,6 +109,10 @@ def test_generate_uses_the_files_budget_its_groups_and_states_the_guarantee(tmp_
     assert plain.tokens == out.tokens  # the same budget and policy: the same answer
     with pytest.raises(BudgetError, match="group 'nope' is not in the budget file"):
         calibrated_budget(path, "nope")
+    monitor = calibrated_budget(path).monitor(delta=0.05)
+    for differs in [1.0] * 20:  # every checked answer differs from the full cache's: far above alpha 0.1
+        monitor.update(differs)
+    assert monitor.flagged and monitor.line().startswith("risk left the guarantee")
     with pytest.raises(BudgetError, match="not both"):
         generate(model, tok, context=context, question="q?", budget=path, policy=FULL)
 
@@ -147,3 +151,12 @@ def test_packaged_tasks_group_by_task_and_length(tmp_path, tiny_smol):
                                loss="accuracy", max_new_tokens=3, log=None)  # fmt: skip
     assert got.group_by == "task x length" and set(got.groups) == {"single_needle@150", "single_needle@200"}
     assert got.n == 6 and all(p["accuracy"] is not None for p in got.prompts)
+
+
+def test_a_budget_that_is_text_but_no_file_is_still_refused_as_not_a_number(tmp_path, tiny_smol):
+    model, tok = tiny_smol
+    with pytest.raises(ValueError, match="the budget 'a quarter' is not a number"):
+        generate(model, tok, context="The report was written by Ada.", question="Who?", budget="a quarter")
+    with pytest.raises(BudgetError, match="budget file .*missing.json does not exist"):
+        generate(model, tok, context="The report was written by Ada.", question="Who?",
+                 budget=str(tmp_path / "missing.json"))  # fmt: skip

@@ -179,7 +179,8 @@ def calibrate_budget(model, tokenizer, data=None, *, tasks=None, lengths=(1024,)
     except RiskControlError as err:
         raise BudgetError(str(err)) from None
     prompts = [dict(id=r["id"], group=g, prompt_tokens=r["prompt_tokens"], loss=r[loss], differs=r["differs"],
-                    accuracy=r["accuracy"], kv=r["kv"]) for r, g in zip(records, groups)]  # fmt: skip
+                    accuracy=r["accuracy"], kv=r["kv"], full_answer=r["full_answer"], answers=r["answers"])
+               for r, g in zip(records, groups)]  # fmt: skip
     result = BudgetFile(model=model_name, policy=policy_fields, method=method, alpha=alpha,
                         delta=delta if method == "ltt" else None, loss=loss, ladder=ladder,
                         max_new_tokens=max_new_tokens, prompt_format=prompt_format, n=len(examples), pooled=pooled,

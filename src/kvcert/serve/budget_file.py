@@ -106,6 +106,15 @@ class CalibratedBudget:
     guarantee: str
     group: str | None = None
     path: str = ""
+    alpha: float | None = None  # the risk level the guarantee holds at
+    method: str = ""
+
+    def monitor(self, delta: float = 0.05):
+        """A `kvcert.core.risk_monitor.RiskMonitor` at this budget's alpha: feed it the loss of each answer checked
+        against the full cache (1: it differs); its `line()` says when the stream's risk leaves the guarantee."""
+        from kvcert.core.risk_monitor import RiskMonitor
+
+        return RiskMonitor(alpha=float(self.alpha), delta=delta)
 
 
 def calibrated_budget(path: str | Path, group: str | None = None) -> CalibratedBudget:
@@ -113,14 +122,16 @@ def calibrated_budget(path: str | Path, group: str | None = None) -> CalibratedB
     file = BudgetFile.load(path)
     sel = file.selection(group)
     sentence = guarantee_sentence(sel, file.method, file.loss, group)
-    return CalibratedBudget(float(sel["budget"]), dict(file.policy), file.model, sentence, group, str(path))
+    return CalibratedBudget(float(sel["budget"]), dict(file.policy), file.model, sentence, group, str(path),
+                            float(file.alpha), file.method)  # fmt: skip
 
 
 def resolve_budget(budget, policy, model):
     """(budget, policy, guarantee) for generate: a number passes through (guarantee None); a budget file's path or
     a CalibratedBudget gives its budget, the policy it was calibrated with (the full cache at 1.0) and its
-    guarantee sentence. Refused (BudgetError) with an explicit policy= or for another model than the file's."""
-    if isinstance(budget, str | Path):
+    guarantee sentence. Refused (BudgetError) with an explicit policy= or for another model than the file's. A
+    string is a file when it ends in .json or names one (other text goes on to validate_request's "not a number")."""
+    if isinstance(budget, Path) or isinstance(budget, str) and (budget.endswith(".json") or Path(budget).is_file()):
         budget = calibrated_budget(budget)
     if not isinstance(budget, CalibratedBudget):
         return budget, policy, None
