@@ -221,3 +221,30 @@ def test_monitor_line_within_the_guarantee():
     assert mon.line().startswith("risk within the guarantee so far: 1 lost of 5")
     with pytest.raises(ValueError):
         mon.update(2.0)
+
+
+def test_the_validation_script_analyses_a_losses_file(tmp_path):
+    """kvcert.exploratory.budget_validation analyse on simulated losses of two tasks: one easy at every budget, one
+    that needs the full cache. Per kind holds less KV than pooled; the negative control serves the hard task with
+    the easy task's budget, whose realized risk is far above alpha, and the monitor flags that stream."""
+    import json
+
+    from kvcert.exploratory.budget_validation import main
+
+    rng = np.random.default_rng(8)
+    prompts = []
+    for task, risks in (("easy", [0.0, 0.0, 0.0, 0.0]), ("hard", [0.9, 0.9, 0.8, 0.6])):
+        for length in (512, 1024):
+            for i, row in enumerate(simulate(rng, 20, risks)):
+                prompts.append(dict(id=f"{task}-{length}-{i}", group=f"{task}@{length}", loss=row.tolist(),
+                                    kv=[*LADDER, 1.0]))  # fmt: skip
+    data = dict(tasks=["easy", "hard"], lengths=[512, 1024], n_per_task=20, seed=0, wall_s=1.0, cpu="test", threads=1)
+    losses = tmp_path / "losses.json"
+    losses.write_text(json.dumps(dict(model="sim", ladder=LADDER, loss="differs", data=data, prompts=prompts)))
+    assert main(["analyse", str(losses), "--splits", "20", "--out", str(tmp_path / "out")]) == 0
+    got = json.loads((tmp_path / "out.json").read_text())
+    ltt = got["methods"]["ltt"]
+    assert ltt["kind_kv"] < ltt["pooled_kv"] and ltt["groups"]["easy@512"]["mean_budget"] == pytest.approx(0.1)
+    (bad,) = [r for r in got["negative_control"] if r["calibrated_on"] == "easy"]
+    assert bad["budget"] == 0.1 and bad["risk_served"] > 0.5 and bad["flagged_at"] is not None
+    assert "| ltt | per kind |" in (tmp_path / "out.md").read_text()
