@@ -245,6 +245,6 @@ def test_the_validation_script_analyses_a_losses_file(tmp_path):
     got = json.loads((tmp_path / "out.json").read_text())
     ltt = got["methods"]["ltt"]
     assert ltt["kind_kv"] < ltt["pooled_kv"] and ltt["groups"]["easy@512"]["mean_budget"] == pytest.approx(0.1)
-    (bad,) = [r for r in got["negative_control"] if r["calibrated_on"] == "easy"]
+    (bad,) = [r for r in got["negative_control"] if r["calibrated_on"] == "easy@512"]
     assert bad["budget"] == 0.1 and bad["risk_served"] > 0.5 and bad["flagged_at"] is not None
     assert "| ltt | per kind |" in (tmp_path / "out.md").read_text()

@@ -58,22 +58,21 @@ def collect(args) -> None:
 
 
 def _negative_control(prompts, ladder, alpha, delta, method) -> list[dict]:
-    """Per ordered pair of tasks (A, B): the budget chosen on all of A's prompts, the realized risk on B's, and
-    whether the monitor flags B's stream at that budget."""
-    tasks = sorted({p["group"].split("@")[0] for p in prompts})
+    """Per task x length group A and every other task B: the budget chosen on all of A's prompts, its risk on A's
+    own prompts, the realized risk on B's prompts (every length, in a seeded random order) served at that budget,
+    and whether the monitor flags that stream. A group whose budget is the full cache cannot break (its loss is 0)."""
+    rng = np.random.default_rng(0)
     rows = []
-    for a in tasks:
-        for b in tasks:
-            if a == b:
-                continue
-            cal = np.array([p["loss"] for p in prompts if p["group"].startswith(a + "@")])
-            test = np.array([p["loss"] for p in prompts if p["group"].startswith(b + "@")])
-            try:
-                sel = select(cal, ladder, alpha, delta, method)
-            except RiskControlError as err:
-                rows.append(dict(calibrated_on=a, served=b, refused=str(err)))
-                continue
-            losses = loss_at(test, ladder, sel.budget)
+    for a in sorted({p["group"] for p in prompts}):
+        cal = np.array([p["loss"] for p in prompts if p["group"] == a])
+        try:
+            sel = select(cal, ladder, alpha, delta, method)
+        except RiskControlError as err:
+            rows.append(dict(calibrated_on=a, served="-", refused=str(err)))
+            continue
+        for b in sorted({p["group"].split("@")[0] for p in prompts} - {a.split("@")[0]}):
+            test = np.array([p["loss"] for p in prompts if p["group"].split("@")[0] == b])
+            losses = rng.permutation(loss_at(test, ladder, sel.budget))
             monitor = RiskMonitor(alpha=alpha, delta=0.05, window=10)
             for loss in losses:
                 monitor.update(loss)
@@ -99,8 +98,8 @@ def analyse(args) -> None:
     results["negative_control"] = _negative_control(prompts, ladder, args.alpha, args.delta, "ltt")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    out.with_suffix(".md").write_text(_markdown(results) + "\n")
+    Path(f"{out}.json").write_text(json.dumps(results, indent=1) + "\n")  # (not with_suffix: "alpha0.2" has a dot)
+    Path(f"{out}.md").write_text(_markdown(results) + "\n")
     print(_markdown(results))
 
 
@@ -128,8 +127,8 @@ def _markdown(r: dict) -> str:
         for g, v in m["groups"].items():
             lines.append(f"| {method} | {g} | {v['mean_budget']:.3f} | {v['risk']:.3f} | {v['within_alpha']:.2f} | "
                          "- |")  # fmt: skip
-    lines += ["", "Negative control (LTT; the budget chosen on one task's prompts, served to another's; the monitor "
-              "at delta 0.05, a new wealth process every 10 answers):", "",
+    lines += ["", "Negative control (LTT; the budget chosen on one task x length group's prompts, served to another "
+              "task's prompts at every length; the monitor at delta 0.05, a new wealth process every 10 answers):", "",
               "| calibrated on | served | budget | risk on own prompts | risk served | monitor |",
               "|---|---|---|---|---|---|"]  # fmt: skip
     for row in r["negative_control"]:
