@@ -115,6 +115,8 @@ def test_generate_uses_the_files_budget_its_groups_and_states_the_guarantee(tmp_
     assert monitor.flagged and monitor.line().startswith("risk left the guarantee")
     with pytest.raises(BudgetError, match="not both"):
         generate(model, tok, context=context, question="q?", budget=path, policy=FULL)
+    with pytest.raises(BudgetError, match="tolerance= chooses its own budget"):
+        generate(model, tok, context=context, question="q?", budget=path, tolerance=0.1)
 
 
 def test_cli_calibrate_budget_then_generate_with_the_file(tmp_path, monkeypatch, capsys, tiny_smol):
@@ -142,6 +144,8 @@ def test_cli_calibrate_budget_then_generate_with_the_file(tmp_path, monkeypatch,
     assert err.startswith("error: 12 calibration prompts are too few for crc") and err.count("\n") == 0
     assert main([*gen[:-4], "--group", "nope"]) == 2
     assert "group 'nope' is not in the budget file" in capsys.readouterr().err
+    assert main([*gen, "--tolerance", "0.1"]) == 2
+    assert "pass --budget-file or --tolerance, not both" in capsys.readouterr().err
 
 
 def test_packaged_tasks_group_by_task_and_length(tmp_path, tiny_smol):

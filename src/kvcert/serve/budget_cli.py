@@ -113,12 +113,15 @@ def cmd_calibrate_budget(args: argparse.Namespace) -> int:
     return 0
 
 
-def budget_file_arg(path: str | None, group: str | None):
-    """--budget-file / --group -> a CalibratedBudget (None without a file; --group alone is refused)."""
+def budget_file_arg(path: str | None, group: str | None, tolerance: str | None = None):
+    """--budget-file / --group -> a CalibratedBudget (None without a file; --group alone is refused, and so is a
+    file with --tolerance, which chooses its own budget)."""
     from kvcert.serve.budget_file import calibrated_budget
 
     if path is None:
         if group is not None:
             raise BudgetError("--group picks a group of a budget file; pass --budget-file calibrated.json")
         return None
+    if tolerance is not None and tolerance.lower() != "none":
+        raise BudgetError("--tolerance chooses its own budget; pass --budget-file or --tolerance, not both")
     return calibrated_budget(path, group)

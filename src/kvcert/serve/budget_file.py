@@ -126,10 +126,11 @@ def calibrated_budget(path: str | Path, group: str | None = None) -> CalibratedB
                             float(file.alpha), file.method)  # fmt: skip
 
 
-def resolve_budget(budget, policy, model):
+def resolve_budget(budget, policy, model, tolerance=None):
     """(budget, policy, guarantee) for generate: a number passes through (guarantee None); a budget file's path or
     a CalibratedBudget gives its budget, the policy it was calibrated with (the full cache at 1.0) and its
-    guarantee sentence. Refused (BudgetError) with an explicit policy= or for another model than the file's. A
+    guarantee sentence. Refused (BudgetError) with an explicit policy= or tolerance= (each chooses the budget
+    otherwise) or for another model than the file's. A
     string is a file when it ends in .json or names one (other text goes on to validate_request's "not a number")."""
     if isinstance(budget, Path) or isinstance(budget, str) and (budget.endswith(".json") or Path(budget).is_file()):
         budget = calibrated_budget(budget)
@@ -137,6 +138,8 @@ def resolve_budget(budget, policy, model):
         return budget, policy, None
     if policy is not None:
         raise BudgetError("a budget file sets the budget and its policy; pass budget= or policy=, not both")
+    if tolerance is not None:
+        raise BudgetError("tolerance= chooses its own budget; pass a budget file or tolerance=, not both")
     name = getattr(model, "kvcert_name", None)
     if budget.model and name and budget.model != name:
         raise BudgetError(f"the budget file was calibrated for model {budget.model!r}, not {name!r}; run "

@@ -220,7 +220,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from kvcert.serve.budget_cli import budget_file_arg
     from kvcert.serve.validate import validate_request
 
-    budget = budget_file_arg(args.budget_file, args.group) or _request_budget(args.budget)
+    budget = budget_file_arg(args.budget_file, args.group, args.tolerance) or _request_budget(args.budget)
     context = _read_text(args.context_file, "context file")
     try:  # the API's own check, before the model loads (generate repeats it with the tokenizer)
         validate_request(context=context, question=args.question, max_new_tokens=args.max_new_tokens,

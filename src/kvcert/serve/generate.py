@@ -247,7 +247,7 @@ def generate(
     from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
-    budget, policy, guarantee = resolve_budget(budget, policy, model)  # a budget file: its budget and guarantee
+    budget, policy, guarantee = resolve_budget(budget, policy, model, tolerance)  # a budget file: its budget, guarantee
     validate_request(context=context, question=question, budget=None if policy else budget, messages=messages,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, tokenizer=tokenizer)  # fmt: skip
     model_name = model_name or getattr(model, "kvcert_name", None)
