@@ -73,6 +73,8 @@ def test_too_few_prompts_are_refused_before_anything_is_decoded(tmp_path, tiny_s
     data = _jsonl(tmp_path / "few.jsonl", kinds=(("a", 12),))
     with pytest.raises(BudgetError) as err:  # LTT at alpha = delta = 0.1 needs 22
         calibrate_budget(model, tok, data, alpha=0.1, delta=0.1, log=None)
+    with pytest.raises(BudgetError, match="has 12 rows, --n 30; leave --n out for all"):
+        calibrate_budget(model, tok, data, n=30, log=None)
     assert "too few for ltt" in str(err.value) and "(1-alpha) = 22;" in str(err.value) and "\n" not in str(err.value)
 
 

@@ -219,8 +219,9 @@ def _examples(tokenizer, data, tasks, lengths, n, seed, group_field, fields, met
                 made = make_examples(task, n or 20, int(length), tokenizer, seed=seed)
                 examples += made
                 groups += [f"{task}@{int(length)}"] * len(made)
-    except TaskError as err:
-        raise BudgetError(str(err)) from None
+    except TaskError as err:  # the loader speaks kvcert-run's overrides; the command's option is --n
+        raise BudgetError(str(err).replace("set task.n_examples=null for all", "leave --n out for all")
+                          .replace("task.n_examples=", "--n ")) from None  # fmt: skip
     info = dict(tasks=tasks, lengths=[int(x) for x in lengths], n_per_task=n or 20, seed=seed, group_by=TASK_GROUPS)
     return examples, groups, info
 
