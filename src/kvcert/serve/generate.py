@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcert.policy import FULL, Policy
+from kvcert.serve.budget_file import CalibratedBudget, resolve_budget
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.escalator import RateEscalator
 from kvcert.serve.generation import EXACT, Generation
@@ -206,7 +207,7 @@ def generate(
     context: str | None = None,
     question: str | None = None,
     messages: list[dict] | None = None,
-    budget: float = 0.25,
+    budget: float | str | CalibratedBudget = 0.25,
     policy: Policy | None = None,
     calibration="auto",
     escalate: Escalation | RateEscalator | str | None = None,
@@ -238,13 +239,15 @@ def generate(
     (`kvcert.serve.validate`). draws: None (one draw), an int R (R independent draws) or a kvcert.hf.draws.Draws:
     the policy's draws decoded as rows of one batch from one read, draw 0's answer the answer and the others fed
     its tokens (`Generation.agreement`; docs/generate.md). escalate= also takes a RateEscalator, asked once per
-    answer with the answer's signal (the answer restarts with the full cache when it says so)."""
+    answer with the answer's signal (the answer restarts with the full cache when it says so). budget= also takes a
+    `kvcert calibrate-budget` file or a CalibratedBudget (kvcert.serve.budget_file; summary() states its guarantee)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
     from kvcert.hf.draws import agreement_of, answer_end, as_draws, draw_policies
     from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
+    budget, policy, guarantee = resolve_budget(budget, policy, model, tolerance)  # a budget file: its budget, guarantee
     validate_request(context=context, question=question, budget=None if policy else budget, messages=messages,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, tokenizer=tokenizer)  # fmt: skip
     model_name = model_name or getattr(model, "kvcert_name", None)
@@ -374,6 +377,7 @@ def generate(
         escalator=None if escalator is None else _reading(escalator, stream.reading),
         reference_threshold=reference,
         agreement_reference=agreement_reference,
+        guarantee=guarantee,
     )
 
 
