@@ -140,7 +140,9 @@ def test_cli_calibrate_budget_then_generate_with_the_file(tmp_path, monkeypatch,
     with no_eos(model):
         assert main(gen) == 0
     said = capsys.readouterr().out
-    assert "conformal risk control on group easy, 5 prompts" in said.splitlines()[-2]  # the summary line
+    # the summary's second line (what the answer came from) states the guarantee
+    (line,) = [line for line in said.splitlines() if "conformal risk control" in line]
+    assert "conformal risk control on group easy, 5 prompts" in line and not line.startswith("answer:")
     assert main([*args[:-2], "--alpha", "0.01", "--out", str(out)]) == 2  # crc at 0.01 needs 99 prompts
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: 12 calibration prompts are too few for crc") and err.count("\n") == 0

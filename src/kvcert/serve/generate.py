@@ -37,7 +37,7 @@ from kvcert.policy import FULL, Policy
 from kvcert.serve.budget_file import CalibratedBudget, resolve_budget
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.escalator import RateEscalator
-from kvcert.serve.generation import EXACT, Generation
+from kvcert.serve.generation import EXACT, REFERENCE_RATE, Generation
 from kvcert.serve.probe import DEFAULT_LADDER, choose_rung, summarize
 from kvcert.serve.stream import (
     AUTO,
@@ -52,6 +52,7 @@ from kvcert.serve.stream import (
     _escalate_to,
     _Stream,
     answer_confidence,
+    reference_thresholds,
     resolve_rule,
 )
 
@@ -293,7 +294,7 @@ def generate(
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
     escalate, threshold, escalator = resolve_rule(escalate, cal, policy, draws)
-    reference, agreement_reference = _references(cal, policy, draws)
+    reference, agreement_reference = reference_thresholds(cal, policy, draws, REFERENCE_RATE)
     stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
     current, kv_held, stopped, probe_result, agreement, drew = policy, 0, "max_new_tokens", None, None, None
     eos = eos_ids(model, tokenizer)
@@ -379,28 +380,6 @@ def generate(
         agreement_reference=agreement_reference,
         guarantee=guarantee,
     )
-
-
-def _references(cal: Calibration | None, policy: Policy, draws: Draws | None) -> tuple[float | None, float | None]:
-    """The calibration's thresholds for a REFERENCE_RATE escalation rate at the policy's budget, which the summary
-    reads the answer against: the largest certificate's and (with draws the file was fitted with) the draws'
-    disagreement's; None where the file has none."""
-    from kvcert.serve.generation import REFERENCE_RATE
-    from kvcert.serve.stream import _agreement_threshold
-
-    if cal is None or policy.is_full:
-        return None, None
-    try:
-        cert = cal.threshold(REFERENCE_RATE, policy.budget)
-    except CalibrationError:
-        cert = None
-    agree = None
-    if draws is not None:
-        try:
-            agree = _agreement_threshold(cal, REFERENCE_RATE, policy.budget, draws)
-        except CalibrationError:
-            agree = None
-    return cert, agree
 
 
 def _reading(escalator: RateEscalator, reading: dict | None) -> dict:
