@@ -23,7 +23,9 @@ import platform
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 
+from kvcert.analysis.tables import markdown_table
 from kvcert.core.risk_control import RiskControlError, loss_at, repeat_splits, select
 from kvcert.core.risk_monitor import RiskMonitor
 
@@ -112,32 +114,34 @@ def _markdown(r: dict) -> str:
              f"collected in {d['wall_s']:.0f} s on {d.get('cpu', '?')}, {d.get('threads', '?')} thread(s), shared "
              f"with other jobs. alpha {r['alpha']:g}, delta {r['delta']:g} (LTT); {r['splits']} splits, half of "
              "each task x length group calibrating, the other half testing.", "",
-             "Empirical risk per budget and group (all prompts):", "",
-             "| group | " + " | ".join(f"{b:g}" for b in r["ladder"]) + " |",
-             "|---|" + "---|" * len(r["ladder"])]  # fmt: skip
-    for g, risk in r["empirical_risk"].items():
-        lines.append(f"| {g} | " + " | ".join(f"{x:.2f}" for x in risk) + " |")
-    lines += ["", "| method | scope | mean budget | realized test risk | splits within alpha | mean KV share |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+             "Empirical risk per budget and group (all prompts):", ""]  # fmt: skip
+    risk = [
+        {"group": g, **{f"{b:g}": f"{x:.2f}" for b, x in zip(r["ladder"], xs)}} for g, xs in r["empirical_risk"].items()
+    ]
+    rows = []
     for method, m in r["methods"].items():
-        lines.append(f"| {method} | pooled | {m['pooled_budget']:.3f} | {m['pooled_risk']:.3f} | "
-                     f"{m['pooled_within_alpha']:.2f} | {m['pooled_kv']:.3f} |")  # fmt: skip
-        lines.append(f"| {method} | per kind | - | {m['kind_risk']:.3f} | {m['kind_within_alpha']:.2f} | "
-                     f"{m['kind_kv']:.3f} |")  # fmt: skip
+        rows.append([method, "pooled", f"{m['pooled_budget']:.3f}", f"{m['pooled_risk']:.3f}",
+                     f"{m['pooled_within_alpha']:.2f}", f"{m['pooled_kv']:.3f}"])  # fmt: skip
+        rows.append([method, "per kind", "-", f"{m['kind_risk']:.3f}", f"{m['kind_within_alpha']:.2f}",
+                     f"{m['kind_kv']:.3f}"])  # fmt: skip
         for g, v in m["groups"].items():
-            lines.append(f"| {method} | {g} | {v['mean_budget']:.3f} | {v['risk']:.3f} | {v['within_alpha']:.2f} | "
-                         "- |")  # fmt: skip
-    lines += ["", "Negative control (LTT; the budget chosen on one task x length group's prompts, served to another "
-              "task's prompts at every length; the monitor at delta 0.05, a new wealth process every 10 answers):", "",
-              "| calibrated on | served | budget | risk on own prompts | risk served | monitor |",
-              "|---|---|---|---|---|---|"]  # fmt: skip
+            rows.append([method, g, f"{v['mean_budget']:.3f}", f"{v['risk']:.3f}", f"{v['within_alpha']:.2f}", "-"])
+    methods = pd.DataFrame(rows, columns=["method", "scope", "mean budget", "realized test risk",
+                                          "splits within alpha", "mean KV share"])  # fmt: skip
+    control = []
     for row in r["negative_control"]:
         if "refused" in row:
-            lines.append(f"| {row['calibrated_on']} | {row['served']} | refused: {row['refused']} | | | |")
+            control.append([row["calibrated_on"], row["served"], f"refused: {row['refused']}", "", "", ""])
             continue
         flag = f"flagged at answer {row['flagged_at']}" if row["flagged_at"] else "not flagged"
-        lines.append(f"| {row['calibrated_on']} | {row['served']} | {row['budget']:g} | {row['risk_on_own']:.3f} | "
-                     f"{row['risk_served']:.3f} ({row['n_served']}) | {flag} |")  # fmt: skip
+        control.append([row["calibrated_on"], row["served"], f"{row['budget']:g}", f"{row['risk_on_own']:.3f}",
+                        f"{row['risk_served']:.3f} ({row['n_served']})", flag])  # fmt: skip
+    control_df = pd.DataFrame(control, columns=["calibrated on", "served", "budget", "risk on own prompts",
+                                                "risk served", "monitor"])  # fmt: skip
+    lines += [markdown_table(pd.DataFrame(risk), parse_numbers=False), "", markdown_table(methods, parse_numbers=False),
+              "", "Negative control (LTT; the budget chosen on one task x length group's prompts, served to another "
+              "task's prompts at every length; the monitor at delta 0.05, a new wealth process every 10 answers):", "",
+              markdown_table(control_df, parse_numbers=False)]  # fmt: skip
     return "\n".join(lines)
 
 
