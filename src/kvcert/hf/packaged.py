@@ -16,9 +16,9 @@ class EmbeddedModel:
     filename: str  # the GGUF file name (inside ``package`` for single-file models)
     parts: tuple[tuple[str, str], ...] = ()  # chunked: (pip spec, chunk file under <module>/data/) in order
     sha256: str | None = None  # of the whole GGUF, checked after assembling chunks
-    part_sha256: tuple[str, ...] = ()  # of each chunk (optional): a corrupt chunk is named with its package
     prompt_format: str = "chat"  # "chat" (instruct model, chat template) or "plain" (base model)
     licence: str = ""
+    part_sha256: tuple[str, ...] = ()  # of each chunk (optional): a corrupt chunk is named with its package
 
     @property
     def install(self) -> str:
