@@ -3,6 +3,7 @@ simulation, teacher-forced rows against a float64 recomputation with a plain att
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -178,17 +179,18 @@ def _reference_logprobs(model, prompt_ids, answer, comp) -> list[float]:
         return (w.softmax(-1) @ v).transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("kvcert_test_reference64", attention)
-    ref = tiny_random_model("llama", seed=0)[0].double()
+    ref = copy.deepcopy(model).double()  # the same weights (q/k/v biases included), in float64
     ref.set_attn_implementation("kvcert_test_reference64")
     with torch.no_grad():
         logp = ref(ids).logits[0].log_softmax(-1)
     return [float(logp[n - 1 + t, answer[t]]) for t in range(m)]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2.5"])
 @pytest.mark.parametrize("variant", ["independent", "split"])
 @pytest.mark.parametrize("oracle", [True, False])
-def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, variant, oracle):
-    model, _ = tiny_random_model("llama", seed=0)
+def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, variant, oracle, arch):
+    model, _ = tiny_random_model(arch, seed=0)
     prompt = _prompt()
     rows, follow = draw_policies(POLICY, Draws(variant=variant))
     spy = _Spy(monkeypatch)
@@ -203,9 +205,10 @@ def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, varian
         assert np.allclose(f.logprobs, want, atol=2e-4), (f.logprobs, want)
     lead_ref = _reference_logprobs(model, prompt.input_ids, leader.tokens, comps[1])
     assert np.allclose(leader.logprobs, lead_ref, atol=2e-4)
-    # the leader and the full cache decode exactly as without followers
+    # the leader and the full cache decode as without followers: the same tokens, log-probabilities to float rounding
+    # (a batch of another shape: its rounding differs with the CPU's kernels)
     plain = generate_variants(model, None, prompt, [FULL, rows[0]], opts)
-    assert plain[1].tokens == leader.tokens and plain[1].logprobs == leader.logprobs
+    assert plain[1].tokens == leader.tokens and np.allclose(plain[1].logprobs, leader.logprobs, rtol=0, atol=1e-5)
     assert plain[0].tokens == res[0].tokens and res[0].own_tokens is None
     sig = agreement_of(leader, followers)
     assert sig.span == (1, min(leader.n_answer + 1, len(leader.tokens)))
