@@ -131,6 +131,21 @@ def test_hydra_and_the_cli_take_the_short_name() -> None:
     assert _model_name("qwen2.5") == QWEN
 
 
+def test_the_shipped_calibration_is_for_this_model_and_the_default_policy() -> None:
+    from kvcert.serve.calibration import POLICY_FIELDS, shipped
+    from kvcert.serve.generate import default_policy, resolve_calibration
+
+    cal = shipped(QWEN)
+    assert cal is not None and cal.model == QWEN and cal.n_layers == 24 and cal.budgets == [0.125, 0.25, 0.5]
+    assert cal.policy == {k: getattr(default_policy(0.25), k) for k in POLICY_FIELDS}
+    assert len(cal.multipliers) == 24 and all(m is not None and m > 0 for m in cal.multipliers)  # every layer
+    assert cal.data["seeds"].startswith("5000 ") and cal.data["n_examples"] == 48  # seeds no study uses
+    assert 0.94 < cal.report["coverage"] < 0.96 and cal.report["n_test_examples"] == 24
+    for budget in (0.125, 0.25, 0.5):
+        found, label = resolve_calibration("auto", QWEN, 24, default_policy(budget))
+        assert found is not None and label == f"{QWEN}: shipped"
+
+
 # ---------------------------------------------------------------- kvcert's paths on the tiny Qwen2.5
 
 
@@ -229,7 +244,7 @@ def test_generate_with_draws_and_the_probe_on_the_tiny_qwen25(tiny_qwen) -> None
     ex = make_examples("single_needle", 1, 300, tok, seed=7101)[0]
     with no_eos(model), pytest.warns(UserWarning, match="no calibration for model qwen2.5-coder-0.5b-instruct"):
         out = generate(model, tok, context=ex.context, question=ex.question, budget=0.5, max_new_tokens=4,
-                       model_name=QWEN, draws=3)  # fmt: skip
+                       model_name=QWEN, draws=3, calibration=None)  # fmt: skip
     assert len(out.steps) == 4 and out.agreement is not None and out.probe is not None and out.probe.error > 0
     assert out.draws is not None and out.draws.count == 3 and out.kv_bytes < out.full_kv_bytes
 
@@ -272,7 +287,7 @@ def test_packaged_qwen_loads_and_answers_a_needle_with_default_settings(qwen, to
     ex = make_examples("single_needle", 1, 1024, tok, seed=7200)[0]
     out = generate(model, tok, context=ex.context, question=ex.question)  # default budget, policy, prompt format
     assert score(out.text, ex)[1], (out.text, ex.answers)
-    assert 0 < out.kv_bytes < out.full_kv_bytes
+    assert 0 < out.kv_bytes < out.full_kv_bytes and out.calibration == f"{QWEN}: shipped"
 
 
 @pytest.mark.slow
