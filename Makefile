@@ -130,7 +130,9 @@ study5: $(STAMP) ## study 5 (draws that disagree): both models side by side (one
 	$(PY) -m kvcert.studies.study5 run --model gemma3; rc=$$?; wait $$pid && test $$rc -eq 0
 	$(PY) -m kvcert.studies.study5 analyze
 
-analyze: $(STAMP) ## recompute every study's tables, figures and the scorecard from the published records (under a minute, no model)
+analyze: $(STAMP) ## recompute every study's tables, figures, claims, reports and the scorecard from the published records (no model)
+	$(PY) -m kvcert.studies.study4 analyze
+	$(PY) -m kvcert.studies.study5 analyze
 	$(PY) -m kvcert.reproduce analyze --study all
 
 bench: $(STAMP) ## speed/memory/roofline ratios -> results/bench/ (BENCH_ARGS=--quick: a few minutes -> results/bench/quick/)

@@ -217,14 +217,110 @@ def test_readme_counts_the_studies_the_scorecard_holds():
 
 
 def test_readme_scorecard_table_is_the_committed_one():
-    """The results table in the README is copied from results/scorecard.md, row for row (one column per study)."""
+    """The results table in the README is the first table of results/scorecard.md (one row per claim: the paper's
+    verdict and ours), copied row for row; the per-study table stays in the scorecard."""
 
     def claim_rows(text: str) -> list[str]:
         return [line for line in text.splitlines() if re.match(r"\| (C\d|T\d): ", line)]
 
+    scorecard = (ROOT / "results" / "scorecard.md").read_text()
+    first = scorecard[scorecard.index("## What holds") : scorecard.index("## Every study's verdict")]
     readme = claim_rows((ROOT / "README.md").read_text())
-    committed = claim_rows((ROOT / "results" / "scorecard.md").read_text())
-    assert committed and readme == committed, "copy the claim rows of results/scorecard.md into README.md"
+    committed = claim_rows(first)
+    assert committed and readme == committed, "copy the first table's claim rows of results/scorecard.md into README"
     lines = (ROOT / "README.md").read_text().splitlines()
-    header = next(line for line in lines if re.match(r"\| claim +\| study", line))  # cells padded to their column
-    assert header.count(" verdict, estimate [CI]") == len(_scorecard_studies())
+    header = next(line for line in lines if re.match(r"\| claim +\| paper +\| ours", line))  # padded cells
+    assert header == next(line for line in first.splitlines() if line.startswith("| claim"))
+    assert not any(re.match(r"\| claim +\| study", line) for line in lines)  # not the 11-column table
+
+
+# ------------------------------------------------------------------- study 5's verdicts as the docs state them
+STUDY5_MODELS = {"smollm2": "SmolLM2", "gemma3": "Gemma"}  # the docs' names ("Gemma" also matches "Gemma 3")
+VERDICT_ON = re.compile(
+    r"\b(supported|refuted|inconclusive) on (SmolLM2|Gemma(?: 3)?|both models)"
+    r"(?: \(([+-]?\d+\.\d+) \[([+-]?\d+\.\d+), ([+-]?\d+\.\d+)\])?"
+)
+CLAIM_LABEL = re.compile(r"\b(P[1-5]) \(")
+
+
+def _study5_claims() -> dict:
+    import json
+
+    return json.loads((ROOT / "results" / "study5" / "claims.json").read_text())
+
+
+def _study5_passages() -> dict[str, list[str]]:
+    """Per page, the passages that state study 5's verdicts: docs/studies.md's Study 5 result bullet, and every
+    paragraph of docs/generate.md that names study 5 (the P labels there are study 5's)."""
+    studies = _without_fences((ROOT / "docs" / "studies.md").read_text())
+    bullet = re.search(r"^- \*\*Study 5\*\* \(`results/study5/report\.md`.*?(?=\n\n|\n- |\Z)", studies, re.M | re.S)
+    generate = _without_fences((ROOT / "docs" / "generate.md").read_text())
+    paragraphs = [p for p in re.split(r"\n\s*\n", generate) if re.search(r"\bstudy 5\b", p, re.I)]
+    return {"docs/studies.md": [bullet.group(0)] if bullet else [], "docs/generate.md": paragraphs}
+
+
+def _stated_verdicts(passage: str) -> list[tuple[str, str, str, tuple[float, ...] | None]]:
+    """(claim, model tag, verdict, (estimate, lo, hi) or None) for each "<verdict> on <model> (<est> [<lo>, <hi>])"
+    after a claim label "P<k> (" in the same sentence."""
+    out = []
+    for sentence in re.split(r"(?<=[.;])\s+(?=[A-Z])", " ".join(passage.split())):
+        labels = list(CLAIM_LABEL.finditer(sentence))
+        for i, label in enumerate(labels):
+            chunk = sentence[label.start() : labels[i + 1].start() if i + 1 < len(labels) else len(sentence)]
+            for m in VERDICT_ON.finditer(chunk):
+                tags = list(STUDY5_MODELS) if m.group(2) == "both models" else [
+                    t for t, name in STUDY5_MODELS.items() if m.group(2).startswith(name)]  # fmt: skip
+                numbers = tuple(float(x) for x in m.groups()[2:]) if m.group(3) else None
+                out += [(label.group(1), tag, m.group(1), numbers) for tag in tags]
+    return out
+
+
+def _agrees(shown: str | float, value: float) -> bool:
+    text = f"{shown}"
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return abs(float(shown) - value) <= 0.5 * 10**-decimals + 1e-9
+
+
+@pytest.mark.parametrize("page", ["docs/studies.md", "docs/generate.md"])
+def test_study5_verdicts_in_the_docs_are_those_of_claims_json(page):
+    """Every "P<k> (...) <verdict> on <model>" the docs state about study 5 is results/study5/claims.json's verdict,
+    and a quoted estimate [interval] is its value at the precision shown. docs/generate.md once said study 5 "found
+    no draw-based signal that beats confidence" inside one kind of prompt while SmolLM2's P2 and P4 were supported."""
+    claims = _study5_claims()
+    stated = [s for passage in _study5_passages()[page] for s in _stated_verdicts(passage)]
+    named = {(cid, tag) for cid, tag, _, _ in stated}
+    need = {(c, t) for c in ("P1", "P2", "P4") for t in STUDY5_MODELS}
+    if page == "docs/studies.md":
+        need |= {(c, t) for c in ("P3", "P5") for t in STUDY5_MODELS}
+    else:
+        need |= {("P5", t) for t in STUDY5_MODELS}
+    assert need <= named, f"{page} does not state study 5's {sorted(need - named)} per model"
+    for cid, tag, said, numbers in stated:
+        published = claims[tag]["claims"][cid]
+        assert said == published["verdict"], (
+            f"{page}: {cid} on {tag} is {said}, claims.json says {published['verdict']}"
+        )
+        if numbers:
+            for shown, key in zip(numbers, ("estimate", "lo", "hi")):
+                assert _agrees(shown, published[key]), f"{page}: {cid} on {tag} {key} {shown} vs {published[key]}"
+
+
+def test_generate_md_does_not_say_study5_found_nothing_or_is_undecided():
+    claims = _study5_claims()
+    text = " ".join((ROOT / "docs" / "generate.md").read_text().split())
+    within = [claims[t]["claims"][c]["verdict"] for t in STUDY5_MODELS for c in ("P1", "P2", "P4")]
+    if "supported" in within:
+        assert "no draw-based signal that beats" not in text
+    if all("P5" in claims[t]["claims"] for t in STUDY5_MODELS):
+        assert "until it is decided" not in text
+
+
+def test_studies_md_counts_the_studies_that_have_a_lock():
+    """docs/studies.md's opening says how many studies there are: one per lock (preregistration/LOCK.json and
+    preregistration/study*/LOCK.json), none of them "running" (it opened with "Three studies ... A fourth, locked and
+    running" when five were decided)."""
+    n = len([ROOT / "preregistration" / "LOCK.json", *(ROOT / "preregistration").glob("study*/LOCK.json")])
+    opening = " ".join(_without_fences((ROOT / "docs" / "studies.md").read_text()).split("\n\n")[1].split())
+    said = {m.group(1).lower() for m in re.finditer(r"\b(one|two|three|four|five|six|seven) studies\b", opening, re.I)}
+    assert said == {COUNT_WORDS[n]}, f"docs/studies.md opens with {sorted(said)} studies; {n} are locked"
+    assert not re.search(r"\b(running|a fourth|a fifth)\b", opening, re.I)

@@ -22,6 +22,8 @@ from kvcert.policy import FULL, Policy
 from kvcert.testing import tiny_random_model
 
 POLICY = Policy(scorer="window_question", design="randomized", budget=0.3, seed=3)
+# the leader with followers against a plain run: float32 rounding of batches of different shapes (seen: 4.8e-7)
+LEADER_ATOL = 1e-5
 
 
 def _scores(seed: int = 0, shape=(3, 60)) -> torch.Tensor:
@@ -205,10 +207,12 @@ def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, varian
         assert np.allclose(f.logprobs, want, atol=2e-4), (f.logprobs, want)
     lead_ref = _reference_logprobs(model, prompt.input_ids, leader.tokens, comps[1])
     assert np.allclose(leader.logprobs, lead_ref, atol=2e-4)
-    # the leader and the full cache decode as without followers: the same tokens, log-probabilities to float rounding
-    # (a batch of another shape: its rounding differs with the CPU's kernels)
+    # the leader and the full cache decode the same tokens as without followers; the leader's log-probabilities
+    # agree to float rounding only: a batch of another shape rounds differently in the linear layers (bit-equal on an
+    # Intel AVX-512 CPU, 7th digit apart on an AMD EPYC with AVX2), so the contract is a declared tolerance
     plain = generate_variants(model, None, prompt, [FULL, rows[0]], opts)
-    assert plain[1].tokens == leader.tokens and np.allclose(plain[1].logprobs, leader.logprobs, rtol=0, atol=1e-5)
+    assert plain[1].tokens == leader.tokens
+    assert np.allclose(plain[1].logprobs, leader.logprobs, rtol=0, atol=LEADER_ATOL)
     assert plain[0].tokens == res[0].tokens and res[0].own_tokens is None
     sig = agreement_of(leader, followers)
     assert sig.span == (1, min(leader.n_answer + 1, len(leader.tokens)))

@@ -145,4 +145,7 @@ def test_recompression_later_than_the_answer_changes_nothing(tiny_model):
     from kvcert.hf import generate_variants
 
     a, b = generate_variants(model, tok, _prompt(), [Policy(**base), Policy(**base, recompress_every=50)], opts)
-    assert a.tokens == b.tokens and np.array_equal(a.stats["variance"], b.stats["variance"])
+    # two rows of one batch: the same kept sets and tokens; their statistics agree to float rounding only (a row's
+    # place in the batch may change the kernels' summation order on some CPUs: seen with ATen's scalar kernels)
+    assert a.tokens == b.tokens and a.kept_tokens == b.kept_tokens
+    np.testing.assert_allclose(a.stats["variance"], b.stats["variance"], rtol=1e-5, atol=1e-9)

@@ -259,7 +259,11 @@ def test_a_rate_escalator_holds_its_rate_over_a_stream_of_calls(tiny_smol):
             assert all(t.budget == 1.0 for t in out.steps) == decisions[-1]
     assert decisions == [replay.decide(s) for s in signals] and len(set(signals)) > 20
     assert esc.seen == 30 and esc.escalated == sum(decisions) and 0.1 <= sum(decisions) / 30 <= 0.35
-    assert out.summary().endswith(f"escalated {sum(decisions)} of 30 answers ({sum(decisions) / 30:.0%}), target 20%")
+    assert (
+        out.summary()
+        .split("\n")[1]
+        .endswith(f"escalated {sum(decisions)} of 30 answers ({sum(decisions) / 30:.0%}), target 20%")
+    )
 
 
 def test_calibrate_with_draws_fits_agreement_thresholds_per_budget(tmp_path, monkeypatch, capsys, tiny_smol):

@@ -187,13 +187,49 @@ def test_the_tables_show_both_replication_labels():
     assert (rows["T1"]["replication"], rows["T1"]["replication_studies"]) == ("replicated", 2)
     assert rows["T1"]["replication_preregistered"] == "open"  # study 3 did not evaluate T1
     md = combined_markdown(card)
-    table = [[c.strip() for c in line.split("|")[1:-1]] for line in md.splitlines() if line.startswith("|")]
+    table = _tables(md)[1]  # the per-study table, after the one-row-per-claim summary
     assert table[0][-2:] == ["replication", "pre-registered rule"]
     by_id = {r[0].split(":")[0]: r[-2:] for r in table[2:]}
-    assert by_id["C1"] == ["replicated (3/3)", "replicated"]
+    assert by_id["C1"] == ["our verdict replicated (3/3)", "replicated"]
     assert by_id["C2"] == ["flipped (2 evaluated)", "flipped"]
     assert by_id["C3"] == ["open (1 evaluated)", "open"]
-    assert by_id["T1"] == ["replicated (2/2)", "open"]
+    # the rule as locked counts study 3 (which did not evaluate T1) as open, and the cell says so
+    assert by_id["T1"] == ["our verdict replicated (2/2)", "open (1 not evaluated)"]
+    assert "counts a column that did not evaluate the claim as open" in md
     assert "over the studies that evaluated the claim" in md
     page = combined_html(card, [])
-    assert "<th>pre-registered rule</th>" in page and "<td>replicated (2/2)</td>" in page
+    assert "<th>pre-registered rule</th>" in page and "<td>our verdict replicated (2/2)</td>" in page
+
+
+def _tables(md: str) -> list[list[list[str]]]:
+    """Every pipe table of a Markdown text, each as its rows of stripped cells (header, separator, body)."""
+    tables, current = [], []
+    for line in md.splitlines() + [""]:
+        if line.startswith("|"):
+            current.append([c.strip() for c in line.split("|")[1:-1]])
+        elif current:
+            tables.append(current)
+            current = []
+    return tables
+
+
+def test_the_scorecard_opens_with_one_row_per_claim_and_folds_the_locks_away():
+    """What holds first: one row per claim with the paper's verdict and ours (how many study x model columns, which
+    way, which studies and models), read in one line ("our verdict replicated", and whether that is the paper's);
+    the per-study table second; the locks and deviations in a details element at the end."""
+    s1, s2 = _cards()
+    only = build_scorecard([_claim("C1", "refuted", -1.0, "supported")], UNLOCKED, ids=["C1"])
+    card = combined_scorecard({"study1": s1, "study2": s2, "study3_gemma3": only})
+    md = combined_markdown(card)
+    summary, per_study = _tables(md)[:2]
+    assert summary[0] == ["claim", "paper", "ours: verdicts of the study x model columns that evaluated it", "reading"]
+    assert [r[0].split(":")[0] for r in summary[2:]] == [r["id"] for r in card["side_by_side"]]  # one row per claim
+    c1 = summary[2]
+    assert c1[2] == "refuted in 3 of 3 (studies 1, 2, 3; SmolLM2, Gemma 3)"
+    assert c1[3] == "our verdict replicated (refuted); the paper's verdict (supported) does not hold here"
+    assert len(per_study[0]) == 1 + 3 + 3  # claim, the three columns, paper, replication, pre-registered rule
+    assert md.index("## What holds") < md.index("## Every study's verdict") < md.index("<details>")
+    assert md.index("<details>") < md.index("- study1: Pre-registration")
+    page = combined_html(card, [])
+    assert page.index("What holds: one row per claim") < page.index("<details>") < page.index("NOT LOCKED")
+    assert "<td>our verdict replicated (refuted); the paper&#x27;s verdict (supported) does not hold here</td>" in page

@@ -212,8 +212,28 @@ def run_cell(
         if after_shard is not None:
             after_shard(written)
     examples_df, _ = store.merge(len(examples))
-    _summary(run_dir.name, examples_df, time.perf_counter() - started, log)
+    _summary(
+        run_dir.name,
+        examples_df,
+        time.perf_counter() - started,
+        log,
+        lambda: _warn_full_cache_zero(cfg, examples_df),
+    )
     return run_dir
+
+
+def _warn_full_cache_zero(cfg: DictConfig, df: pd.DataFrame) -> None:
+    """One line when the full cache answered none of a cell's examples correctly: the metric, not the cache, is the
+    likely cause (a sentence answer under exact match or F1), or the model cannot do the task at all."""
+    full = df[df.design == "full"]
+    if len(full) and not full.correct.any():
+        metric = f"task.metric={cfg.task.metric}" if cfg.task.dataset == "jsonl" else "the task's metric"
+        _warn(
+            f"warning: the full cache scored 0 of {len(full)} examples on this cell: check the answers in "
+            f"examples.parquet against {metric} (task=jsonl: task.metric=contains|exact|f1|pkg.mod:func) before "
+            "reading the policies' accuracy",
+            None,  # stderr only: the progress log's lines stay those of a run
+        )
 
 
 def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> DecodeOptions:
@@ -232,7 +252,9 @@ def decode_options(cfg: DictConfig, stop_strings: tuple[str, ...] = ()) -> Decod
     )
 
 
-def _summary(name: str, df: pd.DataFrame, seconds: float, log: Path | None = None) -> None:
+def _summary(
+    name: str, df: pd.DataFrame, seconds: float, log: Path | None = None, warn: Callable[[], None] | None = None
+) -> None:
     full = df[df.design == "full"]
     cert = df[df.has_certificate & (df.steps_total > 0)]
     cov = cert.steps95.sum() / max(cert.steps_total.sum(), 1)
@@ -242,19 +264,142 @@ def _summary(name: str, df: pd.DataFrame, seconds: float, log: Path | None = Non
         f", certificate coverage {cov:.3f} over {int(cert.steps_total.sum())} (step, layer, head) cells",
         log,
     )
+    if warn is not None:  # after the summary line, before the log's closing "complete" line
+        warn()
     progress(f"{name}: complete: {full.example_id.nunique()} examples in {_duration(seconds)}", log, echo=False)
 
 
+def debug_changes(cfg: DictConfig, profile: str) -> list[str]:
+    """What a debug profile (conf/debug/<profile>.yaml) sets, key by key, as this run has it (a later override
+    wins), each key the task does not read marked so: e.g. "task.n_examples=2", "decode.max_new_tokens=10"."""
+    raw = yaml.safe_load((config_dir() / "debug" / f"{profile}.yaml").read_text()) or {}
+    out = []
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                walk(value, f"{path}.")
+                continue
+            now = OmegaConf.select(cfg, path)
+            now = OmegaConf.to_container(now) if OmegaConf.is_config(now) else now
+            shown = f"{len(now)} entries" if path == "policy.grid" else json.dumps(now)
+            note = ""
+            if path in ("task.tasks", "task.context_tokens") and cfg.task.dataset:
+                note = f" (unused by task.dataset={cfg.task.dataset})"
+            elif path == "budgets.fractions" and cfg.budget is not None:
+                note = f" (unused: budget={cfg.budget:g} is set)"
+            out.append(f"{path}={shown}{note}")
+
+    walk(raw, "")
+    return out
+
+
+def point_job_at(run_dir: Path) -> None:
+    """Write the cell folder's path into the Hydra job's output folder (`records`), so that `kvcert report` on a
+    multirun folder (and the report at a multirun's end) finds every job's records."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        out = Path(HydraConfig.get().runtime.output_dir)
+    except ValueError:
+        return
+    atomic_text(str(Path(run_dir).resolve()) + "\n", out / "records")
+
+
+def announce_debug(cfg: DictConfig) -> None:
+    """With +debug=<profile>: one line saying what the profile changes, before anything runs."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        profile = HydraConfig.get().runtime.choices.get("debug")
+    except ValueError:  # not under Hydra (a test composing by hand)
+        return
+    if profile:
+        progress(f"debug profile {profile} sets: {'; '.join(debug_changes(cfg, profile))}")
+
+
+def _schema_keys() -> tuple[set[str], set[str]]:
+    """(every dotted key of the run schema, the keys below which anything goes: free-form dicts and lists)."""
+    from kvcert.config import RunConfig
+
+    keys, open_keys = set(), {"claim", "hydra"}
+
+    def walk(node, prefix: str) -> None:
+        for key in node:
+            path = f"{prefix}{key}"
+            keys.add(path)
+            child = node._get_node(key)
+            if OmegaConf.is_dict(child) and not child._is_missing() and child._metadata.object_type is not dict:
+                walk(child, f"{path}.")
+            elif OmegaConf.is_dict(child) or OmegaConf.is_list(child):
+                open_keys.add(path)
+
+    walk(OmegaConf.structured(RunConfig), "")
+    return keys, open_keys
+
+
+def _option_names(group: str) -> list[str]:
+    folder = config_dir() / group
+    return sorted(p.relative_to(folder).with_suffix("").as_posix() for p in folder.rglob("*.yaml"))
+
+
+def check_overrides(args: list[str]) -> str | None:
+    """The one-line problem with the command line's overrides, or None: an unknown key (`budgett=0.25`, which Hydra
+    would answer with "To append to your config use +budgett=0.25", keeping the typo), with the nearest valid key, or
+    an unknown option of a config group (`model=smollm3`), with the options. Hydra checks everything else."""
+    import difflib
+
+    if any(a.startswith(("hydra.searchpath", "--config-dir", "-cd", "--config-path", "-cp")) for a in args):
+        return None  # a user's own config folder: its groups and keys are Hydra's to check
+    keys, open_keys = _schema_keys()
+    groups = {p.name for p in config_dir().iterdir() if p.is_dir() and p.name != "hydra"}  # launchers: plugins
+    for arg in args:
+        if arg.startswith("-") or "=" not in arg:
+            continue
+        key, value = arg.split("=", 1)
+        plus = key.startswith("+")
+        key = key.lstrip("+~")
+        if key.startswith(("hydra.", "hydra/")):
+            continue
+        if key in groups:
+            options = _option_names(key)
+            for choice in value.split(","):
+                if "(" in choice or "$" in choice or choice in options or choice in ("null", ""):
+                    continue
+                near = difflib.get_close_matches(choice, options, n=1, cutoff=0.5)
+                mean = f"did you mean {key}={near[0]}? " if near else ""
+                return f"{key}={choice}: no such {key} config; {mean}the {key} configs are {', '.join(options)}"
+            continue
+        base = key.split("[", 1)[0]
+        if plus or base in keys or any(base == k or base.startswith(f"{k}.") for k in open_keys):
+            continue
+        near = difflib.get_close_matches(base, sorted(keys | groups), n=1, cutoff=0.5)
+        mean = f"did you mean {near[0]}? " if near else ""
+        return f"unknown config key '{base}' in {arg}: {mean}(`python -m kvcert.run --cfg job` lists every key)"
+    return None
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
-def main(cfg: DictConfig) -> None:
+def _hydra_main(cfg: DictConfig) -> None:
     from kvcert.hf import ModelLoadError
     from kvcert.tasks import TaskError
 
     try:
-        run_cell(cfg)
+        announce_debug(cfg)
+        point_job_at(run_cell(cfg))
     except (ConfigError, ModelLoadError, TaskError, ShardError) as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def main() -> None:
+    """`kvcert-run`: the command line's keys checked (one line, exit 2, naming the nearest key), then Hydra."""
+    problem = check_overrides(sys.argv[1:])
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

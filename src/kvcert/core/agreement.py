@@ -15,8 +15,13 @@ Signals (larger: more likely a cache-induced failure):
 - `disagreement`: the mean over the other draws of the largest drop, over the span, of the log-probability of draw
   0's token under that draw against draw 0's own: max_t [log p_0(a_t) - log p_r(a_t)]. 0 when another draw is as
   sure of every token; graded where the answer-level flag is all or nothing.
-- `differs`: the share of the other draws whose own greedy answer differs from draw 0's (exact: fed draw 0's tokens,
-  a draw's greedy answer equals draw 0's iff its own greedy token matches at every step of the span).
+- `differs`: the share of the other draws whose own greedy answer (the text up to the stop) differs from draw 0's.
+  Fed draw 0's tokens, a draw's answer equals draw 0's iff its own greedy token matches at every answer position of
+  the span and, at the token that ended draw 0's answer, its own token ends the same answer there: draw 0's token,
+  or another that does (an EOS where draw 0 reached the stop string, ...). Which tokens do needs the tokenizer and
+  the stop strings, so the caller says it (`n_answer`, `ends_answer`); without them the span's tokens are compared
+  one by one, and a different end token counts as a different answer (the definition study 5's records were
+  collected with). `answers_differ` compares decoded answers (texts) directly.
 - `confidence`: minus the lowest log-probability of the span under draw 0 (study 4's confidence, without the tokens
   the cache cannot change).
 """
@@ -24,7 +29,7 @@ Signals (larger: more likely a cache-induced failure):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,11 +55,42 @@ def disagreement(leader: Sequence[float], followers: Sequence[Sequence[float]], 
     return sum(drops) / len(drops)
 
 
-def differs(leader_tokens: Sequence[int], own_tokens: Sequence[Sequence[int]], span: range) -> float:
-    """Share of the other draws whose own greedy token differs from draw 0's somewhere in the span (NaN: none)."""
+def differs(
+    leader_tokens: Sequence[int],
+    own_tokens: Sequence[Sequence[int]],
+    span: range,
+    *,
+    n_answer: int | None = None,
+    ends_answer: Callable[[int], bool] | None = None,
+) -> float:
+    """Share of the other draws whose own greedy answer differs from draw 0's (NaN: none).
+
+    A draw differs where its own greedy token differs from draw 0's at a position of the span, except at position
+    `n_answer` (the token that ended draw 0's answer): there a different token differs only when
+    `ends_answer(token)` is False, i.e. it does not end the same answer (text up to the stop) at that point. Without
+    `n_answer` and `ends_answer` every position of the span compares tokens (a different end token counts)."""
     if not own_tokens:
         return math.nan
-    return sum(any(own[t] != leader_tokens[t] for t in span) for own in own_tokens) / len(own_tokens)
+    if (n_answer is None) != (ends_answer is None):
+        raise ValueError("differs: pass n_answer and ends_answer together (the end position and what ends there)")
+
+    def other(own: Sequence[int]) -> bool:
+        for t in span:
+            if own[t] == leader_tokens[t]:
+                continue
+            if t == n_answer and ends_answer is not None and ends_answer(own[t]):
+                continue
+            return True
+        return False
+
+    return sum(other(own) for own in own_tokens) / len(own_tokens)
+
+
+def answers_differ(leader_answer: str, answers: Sequence[str]) -> float:
+    """Share of the other draws whose own answer (its text up to the stop) differs from draw 0's (NaN: none)."""
+    if not answers:
+        return math.nan
+    return sum(a != leader_answer for a in answers) / len(answers)
 
 
 def union_count(indices: Sequence[torch.Tensor], valid: Sequence[torch.Tensor], n_positions: int) -> int:

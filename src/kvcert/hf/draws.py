@@ -16,10 +16,11 @@ server that stores the shared head once holds, which is what `kvcert.generate` r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from kvcert.core import agreement
-from kvcert.hf.decode import VariantResult
+from kvcert.hf.decode import VariantResult, answer_length
 from kvcert.policy import Policy
 
 VARIANTS = ("independent", "split")
@@ -36,7 +37,10 @@ class Draws:
         if self.variant not in VARIANTS:
             raise ValueError(f"draws variant {self.variant!r}; choose one of {', '.join(VARIANTS)}")
         if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 2:
-            raise ValueError(f"draws count={self.count!r}: agreement needs at least 2 draws")
+            raise ValueError(
+                f"draws count={self.count!r}: agreement needs at least 2 draws; pass draws=2 or more (--draws 2), "
+                "or draws=None for one draw"
+            )
         if self.variant == "split" and self.count != 2:
             raise ValueError("split halves are 2 rows (half 0 and half 1 of one draw's tail): set count=2")
 
@@ -89,21 +93,38 @@ class Agreement:
         )
 
 
-def agreement_of(leader: VariantResult, followers: list[VariantResult]) -> Agreement:
-    """The signals of draw 0's answer from the rows that followed it (kvcert.core.agreement)."""
+def answer_end(tokenizer, eos: set[int], stops: tuple[str, ...], leader: VariantResult) -> Callable[[int], bool]:
+    """Whether a token in place of the one that ended draw 0's answer ends the same answer (its text up to the stop):
+    `answer_length` of draw 0's answer tokens followed by it gives draw 0's answer length and text."""
+    head, want = list(leader.tokens[: leader.n_answer]), (leader.n_answer, leader.answer)
+
+    def ends(token: int) -> bool:
+        return answer_length(tokenizer, [*head, int(token)], eos, stops) == want
+
+    return ends
+
+
+def agreement_of(
+    leader: VariantResult, followers: list[VariantResult], ends_answer: Callable[[int], bool] | None = None
+) -> Agreement:
+    """The signals of draw 0's answer from the rows that followed it (kvcert.core.agreement). ends_answer (e.g.
+    `answer_end(...)`): `differs` compares the draws' answers, so another token that ends the same answer where draw
+    0's ended is no difference; without it the span's tokens are compared one by one."""
     if any(f.own_tokens is None or f.tokens[: len(leader.tokens)] != leader.tokens for f in followers):
         raise ValueError("every follower must have been fed draw 0's tokens (decode with follow=...)")
     span = agreement.scored_span(
         leader.n_answer, len(leader.tokens), first_from_prefill=leader.policy.compress_after == "prompt"
     )
+    ended = ends_answer is not None and len(leader.tokens) > leader.n_answer
+    end = dict(n_answer=leader.n_answer, ends_answer=ends_answer) if ended else {}
     return Agreement(
         disagreement=agreement.disagreement(leader.logprobs, [f.logprobs for f in followers], span),
-        differs=agreement.differs(leader.tokens, [f.own_tokens for f in followers], span),
+        differs=agreement.differs(leader.tokens, [f.own_tokens for f in followers], span, **end),
         confidence=agreement.confidence(leader.logprobs, span),
         span=(span.start, span.stop),
         logprobs=[f.logprobs for f in followers],
         drops=[agreement.disagreement(leader.logprobs, [f.logprobs], span) for f in followers],
-        row_differs=[agreement.differs(leader.tokens, [f.own_tokens], span) == 1.0 for f in followers],
+        row_differs=[agreement.differs(leader.tokens, [f.own_tokens], span, **end) == 1.0 for f in followers],
     )
 
 

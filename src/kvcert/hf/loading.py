@@ -295,12 +295,31 @@ def _load_error(label: str, err: Exception, hub: bool, unreachable: str | None) 
     if unreachable is not None and isinstance(err, OSError):  # local_files_only: not (all) in the cache
         return ModelLoadError(
             f"model '{label}' is not in the local Hugging Face cache and {unreachable}: run `hf download {label}`"
-            " where the hub is reachable, then retry, or pass a local folder"
+            f" where the hub is reachable, then retry, or pass a local folder{_packaged_hint(label)}"
         )
     return ModelLoadError(
         f"model '{label}' could not be loaded ({_first_line(err)}): check the id, download it with `hf download"
-        f" {label}` (a gated model needs `hf auth login` first), or pass a local folder"
+        f" {label}` (a gated model needs `hf auth login` first), or pass a local folder{_packaged_hint(label)}"
     )
+
+
+def packaged_names() -> str:
+    """The packaged models by short name and full name, e.g. "smollm2 (smollm2-135m-instruct), gemma3 (gemma3-270m)"."""
+    short = {}
+    for alias, full in ALIASES.items():
+        short.setdefault(full, alias)  # the first alias of each model is its short name
+    return ", ".join(f"{short[m]} ({m})" if m in short else m for m in EMBEDDED_MODELS)
+
+
+def _packaged_hint(label: str) -> str:
+    """For a bare name that is not packaged (`smollm3`): the packaged models, the nearest first when one is close."""
+    import difflib
+
+    if "/" in label:
+        return ""
+    near = difflib.get_close_matches(label, [*ALIASES, *EMBEDDED_MODELS], n=1, cutoff=0.6)
+    mean = f"did you mean {near[0]}? " if near else ""
+    return f"; {mean}the packaged models are {packaged_names()}"
 
 
 def _looks_like_path(name: str) -> bool:

@@ -275,8 +275,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - started
     # the stream may show a stop string the answer then drops: the answer line is the result
     print()
-    print(f"answer: {gen.text}")
-    print(gen.summary())
+    print(gen.summary())  # "answer: <text>" first, then what its numbers mean and what to do
     if gen.budget_choice is not None:
         c = gen.budget_choice
         rungs = ", ".join(f"{b}: {e:.3g}" for b, e in c.errors.items())
@@ -378,7 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvcert.serve.calibration import CalibrationError
 
     args = build_parser().parse_args(argv)
-    command = {"generate": cmd_generate, "calibrate": cmd_calibrate}[args.command]
+    from kvcert.report import cmd_report
+
+    command = {"generate": cmd_generate, "calibrate": cmd_calibrate, "report": cmd_report}[args.command]
     with warnings.catch_warnings():
         warnings.showwarning = _print_warning
         try:

@@ -13,7 +13,7 @@ def _generate_parser(sub) -> None:
         "generate",
         help="answer a question about a document from a compressed cache",
         description="Answer a question about a document from a compressed KV cache, with a calibrated certificate "
-        "for every token (and, by default, study 4's escalation to the full cache).",
+        "for every token. Nothing is escalated unless --escalate asks (default none).",
     )
     g.add_argument(
         "--model",
@@ -115,11 +115,14 @@ def _calibrate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser; the chosen subcommand is `args.command` ("generate" or "calibrate")."""
+    """The parser; the chosen subcommand is `args.command` ("generate", "calibrate" or "report")."""
     parser = argparse.ArgumentParser(
         prog="kvcert", description="KV-cache eviction with a calibrated certificate for every generated token."
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _calibrate_parser(sub)
+    from kvcert.report import add_parser as report_parser
+
+    report_parser(sub)  # kvcert report <runs or multirun folder>
     return parser

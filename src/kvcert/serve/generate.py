@@ -6,9 +6,9 @@ answer's largest certificate so far crosses the calibration's threshold for a 20
 discarded and decoded again with the full cache); any `Escalation` or `RateEscalator` sets another.
 
     from kvcert import generate, load_model
-    model, tokenizer = load_model("smollm2-135m-instruct")
+    model, tokenizer = load_model("smollm2")  # or "gemma3", a folder, a hub id
     out = generate(model, tokenizer, context=document, question="Who wrote it?", budget=0.25)
-    print(out.text, out.summary())
+    print(out.summary())  # the answer (out.answer), then what its certificate means and what to do with it
 
 Token i's certificate is that of the forward that predicted it (`kvcert.serve.certificate`). The first token after
 a prompt is read comes from exact attention over the whole prompt (the policy compresses after reading it), so its
@@ -241,7 +241,7 @@ def generate(
     answer with the answer's signal (the answer restarts with the full cache when it says so)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
-    from kvcert.hf.draws import agreement_of, as_draws, draw_policies
+    from kvcert.hf.draws import agreement_of, answer_end, as_draws, draw_policies
     from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
@@ -290,6 +290,7 @@ def generate(
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
     escalate, threshold, escalator = resolve_rule(escalate, cal, policy, draws)
+    reference, agreement_reference = _references(cal, policy, draws)
     stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
     current, kv_held, stopped, probe_result, agreement, drew = policy, 0, "max_new_tokens", None, None, None
     eos = eos_ids(model, tokenizer)
@@ -324,7 +325,8 @@ def generate(
         trigger = stream.segment(batch, opts, current, follow)
         kv_held = max(kv_held, answer_kv_bytes(batch, rows, len(prompt.input_ids), qs, opts))  # re-compressions
         if follow:  # the draws' agreement about draw 0's answer (as far as it was decoded)
-            agreement = agreement_of(stream.results[0], stream.results[1:])
+            ends = answer_end(tokenizer, eos, tuple(stops), stream.results[0])  # answers compared, not end tokens
+            agreement = agreement_of(stream.results[0], stream.results[1:], ends)
         if trigger is None:
             n_answer = answer_length(tokenizer, [t.id for t in stream.steps], eos, tuple(stops))[0]
             why = stream.after_answer(current, agreement if follow else None, n_answer, escalator)
@@ -370,7 +372,31 @@ def generate(
         agreement=agreement,
         confidence=confidence,
         escalator=None if escalator is None else _reading(escalator, stream.reading),
+        reference_threshold=reference,
+        agreement_reference=agreement_reference,
     )
+
+
+def _references(cal: Calibration | None, policy: Policy, draws: Draws | None) -> tuple[float | None, float | None]:
+    """The calibration's thresholds for a REFERENCE_RATE escalation rate at the policy's budget, which the summary
+    reads the answer against: the largest certificate's and (with draws the file was fitted with) the draws'
+    disagreement's; None where the file has none."""
+    from kvcert.serve.generation import REFERENCE_RATE
+    from kvcert.serve.stream import _agreement_threshold
+
+    if cal is None or policy.is_full:
+        return None, None
+    try:
+        cert = cal.threshold(REFERENCE_RATE, policy.budget)
+    except CalibrationError:
+        cert = None
+    agree = None
+    if draws is not None:
+        try:
+            agree = _agreement_threshold(cal, REFERENCE_RATE, policy.budget, draws)
+        except CalibrationError:
+            agree = None
+    return cert, agree
 
 
 def _reading(escalator: RateEscalator, reading: dict | None) -> dict:

@@ -14,7 +14,7 @@ import math
 from html import escape
 from pathlib import Path
 
-from kvcert.serve.generation import Generation, draws_phrase
+from kvcert.serve.generation import Generation, draws_phrase, policy_words
 from kvcert.serve.stream import Escalated, Token
 
 LAYERS_PER_LINE = 5  # per-layer values in the hover card, this many to a line
@@ -148,11 +148,12 @@ def escalation_threshold(gen: Generation) -> tuple[float | None, str | None]:
     return gen.threshold, f"the escalation threshold: the calibration's for escalating {esc.rate:g} of answers {where}"
 
 
-def _scale_caption(top: float, threshold: float | None, threshold_label: str | None) -> str:
+def _scale_caption(top: float, threshold: float | None, threshold_label: str | None, reference=None) -> str:
     if threshold is not None:
         label = escape(threshold_label or "escalation threshold")
         return f"0 &rarr; {top:.3g} ({label}; red at or above it)"
-    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied)"
+    ref = "" if reference is None else f"; the calibration's threshold for a 20% escalation rate here: {reference:.3g}"
+    return f"0 &rarr; {top:.3g} (this answer's largest certificate; no certificate escalation threshold applied{ref})"
 
 
 def _draws_line(gen: Generation) -> str:
@@ -225,12 +226,13 @@ def render_html(
         "<h2>Answer</h2>",
         f'<div class="answer">{"".join(pieces) or "<i>(empty answer)</i>"}</div>',
         f'<p class="meta">{len(gen.steps)} tokens, stopped at {escape(gen.stopped)}; prompt {gen.prompt_tokens} '
-        f"tokens; policy {escape(gen.policy.label)}; calibration {calibrated}. Hover a token for its details "
+        f"tokens; policy: {escape(policy_words(gen.policy))}; calibration {calibrated}. Hover a token for its details "
         "(or open this page at #t&lt;index&gt;).</p>",
         _draws_line(gen),
         "<h2>Legend</h2>",
         '<div class="legend">',
-        f'<span><span class="scale"></span> certificate {_scale_caption(top, threshold, threshold_label)}</span>',
+        f'<span><span class="scale"></span> certificate '
+        f"{_scale_caption(top, threshold, threshold_label, gen.reference_threshold)}</span>",
         '<span><span class="tok" style="background:hsl(120,65%,78%)">solid</span> trusted</span>',
         '<span><span class="tok untrusted" style="background:hsl(120,65%,78%)">dotted</span> untrusted</span>',
         '<span><span class="tok exact" style="background:hsl(120,65%,78%)">exact</span> read exactly with the '

@@ -125,8 +125,27 @@ def combine(cards: dict[str, dict], profile: str = "confirmatory") -> dict:
     out = settings("study1", profile)["out"]
     figures = [Path(f) for c in cards.values() for f in c.get("figures", [])]
     paths = write_combined(card, out, figures)
+    for sid in cards:  # every study's claims, studies 4 and 5 included (their analysis prints none here)
+        if not sid.startswith(("study1", "study2", "study3")):
+            for c in card["studies"][sid]["claims"]:
+                print(f"[kvcert] {sid} {c['id']}: {claim_line(c)}")
     print(f"[kvcert] combined scorecard: {paths['md']}")
     return card
+
+
+def claim_line(claim: dict) -> str:
+    """ "refuted      observed 0.914 [0.911, 0.916] (paper: supported)": the scorecard's rounding (3 decimals, 1 for
+    points)."""
+    from kvcert.analysis.scorecard import _fmt
+
+    unit = str(claim.get("unit") or "")
+    ci = claim.get("ci") or [None, None]
+    if claim.get("evaluated", True) is False:
+        return "not evaluated"
+    est = f"{_fmt(claim.get('observed'), unit)} [{_fmt(ci[0], unit)}, {_fmt(ci[1], unit)}]" + (
+        f" {unit}" if unit else ""
+    )
+    return f"{str(claim.get('verdict')):12s} observed {est} (paper: {claim.get('paper_verdict') or 'n/a'})"
 
 
 def model_dependence_rows(profile: str = "confirmatory") -> pd.DataFrame:
@@ -189,10 +208,7 @@ def analyze_records(
         main_records = main_records or (examples, steps)
         started = time.perf_counter()
         r = results[cid] = evaluate_claim(cid, examples, steps if spec["analysis"] == "coverage" else None, spec)
-        print(
-            f"[kvcert] {cid}: {r.verdict:12s} observed {r.observed} CI {r.ci} "
-            f"(paper: {r.paper_verdict}) [{time.perf_counter() - started:.1f}s]"
-        )
+        print(f"[kvcert] {cid}: {claim_line(r.as_dict())} [{time.perf_counter() - started:.1f}s]")
     figures = make_figures(results, main_records[0] if main_records else None, t1, out / "figures")
     if main_records:
         write_tables(main_records[0], main_records[1] if step_tables else None, out, n_boot=500)

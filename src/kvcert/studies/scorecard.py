@@ -35,8 +35,9 @@ MULTIPLICITY = (
     "a claim's verdict. Each study's verdicts are reported beside the other's, never pooled."
 )
 REPLICATION = (
-    "over the studies that evaluated the claim (one that did not is left out). replicated (k/k): all k >= 2 studies "
-    "that evaluated it decided it the same way, supported or refuted; flipped: one supported it, another refuted it; "
+    "over the studies that evaluated the claim (one that did not is left out). our verdict replicated (k/k): all "
+    "k >= 2 studies that evaluated it decided it the same way, supported or refuted (our verdict, the paper's or "
+    "not: the first table says which); flipped: one supported it, another refuted it; "
     "open (n evaluated): otherwise, an inconclusive verdict among the n or fewer than two. 'pre-registered rule': the "
     "rule as study 2's PLAN.md section 6 wrote it for studies that each evaluated every claim, a study that did not "
     "evaluate the claim counting as open."
@@ -79,9 +80,88 @@ def replication(verdicts: list[str]) -> tuple[str, int]:
 
 
 def replication_text(row: Mapping) -> str:
-    """'replicated (4/4)', 'open (1 evaluated)' (a card from before the count: the label alone)."""
+    """'our verdict replicated (4/4)' (our verdict, which may be the paper's or not), 'open (1 evaluated)' (a card
+    from before the count: the label alone)."""
     label, n = str(row["replication"]), row.get("replication_studies")
-    return label if n is None else f"{label} ({n}/{n})" if label == "replicated" else f"{label} ({n} evaluated)"
+    shown = "our verdict replicated" if label == "replicated" else label
+    return shown if n is None else f"{shown} ({n}/{n})" if label == "replicated" else f"{label} ({n} evaluated)"
+
+
+def preregistered_text(row: Mapping) -> str:
+    """The pre-registered rule's label, with why it reads open where the studies that evaluated the claim agree:
+    the rule counts a study that did not evaluate the claim as open."""
+    label = str(row.get("replication_preregistered"))
+    cells = row.get("studies") or {}
+    missing = sum(1 for c in cells.values() if not c.get("evaluated", True))
+    if label == "open" and missing and row.get("replication") != "open":
+        return f"open ({missing} not evaluated)"
+    return label
+
+
+def _model_name(sid: str) -> str:
+    return "Gemma 3" if "gemma" in sid else "SmolLM2"  # studies 1-2 ran SmolLM2 only
+
+
+def _where(sids: list[str]) -> str:
+    """ "studies 1, 2, 3; SmolLM2, Gemma 3" for the study ids that evaluated a claim."""
+    studies = list(dict.fromkeys(sid.split("_")[0].removeprefix("study") for sid in sids))
+    models = list(dict.fromkeys(_model_name(sid) for sid in sids))
+    return f"{'study' if len(studies) == 1 else 'studies'} {', '.join(studies)}; {', '.join(models)}"
+
+
+def claim_summary_rows(card: Mapping) -> list[list[str]]:
+    """One row per claim: the claim, the paper's verdict, ours (how many study x model columns decided which way,
+    where), and one line reading them together."""
+    rows = []
+    for row in card["side_by_side"]:
+        name = f"{row['id']}: {row['claim']}" if row.get("claim") else str(row["id"])
+        done = [(sid, c["verdict"]) for sid, c in row["studies"].items() if c.get("evaluated", True)]
+        paper = row.get("paper_verdict")
+        if not done:
+            rows.append([name, _paper(row), NOT_EVALUATED, "not evaluated by any study"])
+            continue
+        order = [v for v in (*CONCLUSIVE, "inconclusive") if any(x == v for _, x in done)]
+        order += [v for v in dict.fromkeys(x for _, x in done) if v not in order]
+        counts = {v: sum(1 for _, x in done if x == v) for v in order}
+        if len(counts) == 1:
+            ours = f"{done[0][1]} in {len(done)} of {len(done)}"
+        else:
+            ours = ", ".join(f"{v} {k}" for v, k in counts.items()) + f" of {len(done)}"
+        ours += f" ({_where([sid for sid, _ in done])})"
+        label = str(row["replication"])
+        if label == "replicated":
+            ours_verdict = done[0][1]
+            if paper in CONCLUSIVE:
+                same = paper == ours_verdict
+                side = "the paper's verdict holds here" if same else f"the paper's verdict ({paper}) does not hold here"
+                reading = f"our verdict replicated ({ours_verdict}); {side}"
+            else:
+                reading = f"our verdict replicated ({ours_verdict}); a prediction of ours, no paper verdict"
+        elif label == "flipped":
+            reading = "flipped: one column supported it, another refuted it"
+        else:
+            if len(done) == 1:
+                reading = "open: one column evaluated it"
+            elif len(counts) == 1:
+                reading = f"open: {done[0][1]} in every column that evaluated it"
+            else:
+                reading = "open: the columns that evaluated it did not all decide it the same way"
+        rows.append([name, _paper(row), ours, reading])
+    return rows
+
+
+PREREGISTERED_NOTE = (
+    "'pre-registered rule': the replication rule as locked (study 2's PLAN.md section 6) counts a column that did "
+    "not evaluate the claim as open, so a claim that some columns did not evaluate reads 'open (n not evaluated)' "
+    "under it, however the others decided it; 'replication' applies the same rule to the columns that evaluated it."
+)
+SUMMARY_HEADER = ["claim", "paper", "ours: verdicts of the study x model columns that evaluated it", "reading"]
+HOW_TO_READ = (
+    "First table: each claim once, the paper's verdict and ours (how many study x model columns decided it which way; "
+    "studies 1-2 ran SmolLM2, studies 3-5 SmolLM2 and Gemma 3). 'our verdict replicated': every column that "
+    "evaluated it decided it the same way, supported or refuted; whether that is the paper's verdict is said beside "
+    "it. Second table: every column's verdict and estimate [95% CI]. The locks and deviations are folded at the end."
+)
 
 
 def _condition_side(cond: Mapping) -> dict:
@@ -253,7 +333,7 @@ def _table(card: Mapping) -> tuple[list[str], list[list[str]], list[str]]:
         name = f"{row['id']}: {row['claim']}" if row.get("claim") else str(row["id"])
         t1 = row["id"] == "T1"
         cells = [_estimate(row["studies"][s], unit, t1) for s in sids]
-        body.append([name, *cells, _paper(row), replication_text(row), str(row.get("replication_preregistered"))])
+        body.append([name, *cells, _paper(row), replication_text(row), preregistered_text(row)])
         classes.append(str(row["replication"]))
     return header, body, classes
 
@@ -331,10 +411,10 @@ def combined_markdown(card: Mapping) -> str:
         df = pd.DataFrame([list(map(esc, r)) for r in body], columns=list(map(esc, header)))
         return markdown_table(df, parse_numbers=False).split("\n")
 
-    lines = ["# Scorecard: " + " and ".join(card["studies"]), ""]
-    lines += [f"- {sid}: {s['lock']['line']}" for sid, s in card["studies"].items()]
+    lines = ["# Scorecard: " + " and ".join(card["studies"]), "", HOW_TO_READ, ""]
+    lines += ["## What holds: one row per claim", "", *table(SUMMARY_HEADER, claim_summary_rows(card))]
     header, body, _ = _table(card)
-    lines += ["", *table(header, body)]
+    lines += ["", "## Every study's verdict and estimate", "", *table(header, body), "", PREREGISTERED_NOTE]
     dependence = _dependence_rows(card)
     if dependence:
         lines += ["", "## Model dependence (study 3: SmolLM2 - Gemma 3, read as declared in its PLAN.md)", ""]
@@ -343,6 +423,9 @@ def combined_markdown(card: Mapping) -> str:
         lines += ["", f"## {title}", ""]
         lines += table(SECONDARY_HEADER, sec)
     lines += ["", "## Notes", ""] + [f"- {x}" for x in _footer_lines(card)]
+    lines += ["", "<details><summary>Pre-registration: each study's lock and its recorded deviations</summary>", ""]
+    lines += [f"- {sid}: {s['lock']['line']}" for sid, s in card["studies"].items()]
+    lines += ["", "</details>"]
     return "\n".join(lines) + "\n"
 
 
@@ -358,6 +441,8 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
     locks = "".join(
         f"<li>{html.escape(sid)}: {html.escape(study['lock']['line'])}</li>" for sid, study in card["studies"].items()
     )
+    summary = claim_summary_rows(card)
+    summary_classes = [str(r["replication"]) for r in card["side_by_side"]]
     header, body, classes = _table(card)
     dependence = _dependence_rows(card)
     sec_html = (
@@ -375,14 +460,19 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
     style = (
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #999;"
         "padding:4px 8px;vertical-align:top}.replicated{background:#e8f5e9}.flipped{background:#ffebee}"
-        ".open{background:#fffde7}"
+        ".open{background:#fffde7}.wide{overflow-x:auto}.wide table{font-size:12px}.wide td:first-child"
+        "{min-width:16em}details{margin:1em 0}summary{cursor:pointer;font-weight:bold}"
     )
     title = "Scorecard: " + " and ".join(card["studies"])
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvcert {html.escape(title)}</title>"
-        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><ul>{locks}</ul>"
-        f"{table(header, body, classes)}{sec_html}<h2>Notes</h2><ul>{notes}</ul>"
-        f"<h2>Figures</h2>{imgs}</body></html>\n"
+        f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><p>{html.escape(HOW_TO_READ)}</p>"
+        f"<h2>What holds: one row per claim</h2>{table(SUMMARY_HEADER, summary, summary_classes)}"
+        f"<h2>Every study's verdict and estimate</h2><div class='wide'>{table(header, body, classes)}</div>"
+        f"<p>{html.escape(PREREGISTERED_NOTE)}</p>"
+        f"{sec_html}<h2>Notes</h2><ul>{notes}</ul><h2>Figures</h2>{imgs}"
+        "<details><summary>Pre-registration: each study's lock and its recorded deviations</summary>"
+        f"<ul>{locks}</ul></details></body></html>\n"
     )
 
 

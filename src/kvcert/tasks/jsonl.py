@@ -1,12 +1,14 @@
 """Your own data: a JSON-lines file (one object per line) -> Examples labelled with the file's stem.
 
-    kvcert-run task=jsonl task.path=/data/my_qa.jsonl task.metric=contains task.max_context_tokens=4000
+    kvcert-run task=jsonl task.path=/data/my_qa.jsonl task.max_context_tokens=4000
 
 Each row needs a context, a question and its gold answers (field names in ``task.fields``; defaults ``context``,
 ``question``, ``answers``). ``answers`` is a string or a non-empty list of strings. Row n is line n of the file
 (blank lines are skipped). The whole file is checked before anything runs: the first bad row is one line naming
 the row, the field and what is wrong (with the count of further bad rows). Examples keep file order; ``n`` takes
-the first n rows (None: every row).
+the first n rows (None: every row). The default metric is ``contains`` (correct when a gold answer appears in the
+model's answer, any case), so that a chat model's correct sentence ("The key is under the blue mat.") scores correct;
+token F1 >= 0.5 (``f1``) fails such sentences.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def load_jsonl_examples(
     path: str | Path,
     *,
     fields: dict[str, str] | None = None,
-    metric: str = "f1",
+    metric: str = "contains",
     n: int | None = None,
     stop_strings: tuple[str, ...] | None = None,
 ) -> list[Example]:

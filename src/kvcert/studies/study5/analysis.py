@@ -1,6 +1,11 @@
 """Study 5's analysis (preregistration/study5/PLAN.md section 6): claims P1-P5 per model on the confirmatory split,
 the tables reported beside them, and the report. Pure pandas over results/study5/<model>/answers.jsonl.
 
+Issue #52 (DEVIATIONS.md, written after the results): the report's table also shows every signal's overall row with
+ties at the threshold drawn (`above_or_drawn`; the claims keep the strict `above`), the "differs" flag from the
+draws' answers beside the recorded one, the oracle capped at the rate beside the uncapped one, and, under the
+claims, how fragile P1 and P2 are (kvcert.studies.study5.fragility, exploratory).
+
     python -m kvcert.studies.study5 analyze [--partial]
 """
 
@@ -19,14 +24,18 @@ from kvcert.analysis.bootstrap import bootstrap_many, paired_difference, weighte
 from kvcert.analysis.tables import markdown_table
 from kvcert.studies.study4.analysis import within_cell_auroc
 from kvcert.studies.study4.claims import verdict
+from kvcert.studies.study5 import fragility
 from kvcert.studies.study5.common import MODELS, PREREG, RESULTS, load_rows
 from kvcert.studies.study5.signals import (
     above,
+    above_or_drawn,
     agreement_score,
+    answers_differ_score,
     cell_rule,
     cells,
     outcome,
     random_score,
+    seeded_uniform,
     threshold,
     with_split,
     within_cell_escalated,
@@ -52,26 +61,48 @@ class Study5:
             frame["score_agreement"] = agreement_score(frame, self.variant, self.form, reference=self.cal)
             frame["score_confidence"] = frame["confidence"].astype(float)
             frame["score_certificate"] = frame["certificate"].astype(float)
-            frame["score_differs"] = frame[f"differs_{self.variant}"].astype(float)
+            frame["score_differs"] = frame[f"differs_{self.variant}"].astype(float)  # as recorded: end tokens
+            frame["score_differs_answers"] = answers_differ_score(frame, self.variant)  # answers, not end tokens
             frame["score_random"] = random_score(frame)
 
     def kv_column(self, signal: str) -> str:
-        return self.kv_system if signal in ("agreement", "differs") else "kv_one"
+        return self.kv_system if signal in ("agreement", "differs", "differs_answers") else "kv_one"
 
     def within(self, signal: str, rate: float = RATE) -> pd.DataFrame:
         esc = within_cell_escalated(self.conf, self.conf[f"score_{signal}"].to_numpy(np.float64), rate)
         return outcome(self.conf, esc, self.kv_column(signal))
 
-    def overall(self, signal: str, rate: float = RATE) -> pd.DataFrame:
-        cut = threshold(self.cal[f"score_{signal}"].to_numpy(np.float64), rate)
-        esc = above(self.conf[f"score_{signal}"].to_numpy(np.float64), cut)
+    def overall(self, signal: str, rate: float = RATE, ties: str = "strict") -> pd.DataFrame:
+        """The calibration's threshold at `rate`; ties "strict" (the claims' rule: a tie never escalates) or "drawn"
+        (a seeded draw among the tied that holds the rate)."""
+        cal = self.cal[f"score_{signal}"].to_numpy(np.float64)
+        scores = self.conf[f"score_{signal}"].to_numpy(np.float64)
+        cut = threshold(cal, rate)
+        if ties == "strict":
+            esc = above(scores, cut)
+        elif ties == "drawn":
+            esc = above_or_drawn(scores, cut, cal, rate, self.conf["example_id"])
+        else:
+            raise ValueError(f"ties={ties!r}: 'strict' or 'drawn'")
         return outcome(self.conf, esc, self.kv_column(signal))
 
     def cell_rule(self, count: float) -> pd.DataFrame:
         return outcome(self.conf, cell_rule(self.cal, self.conf, count), "kv_one")
 
-    def oracle(self) -> pd.DataFrame:
-        return outcome(self.conf, self.conf["cache_failure"].to_numpy(bool), "kv_one")
+    def oracle(self, rate: float | None = None, within: bool = False) -> pd.DataFrame:
+        """Escalates cache-induced failures: every one (rate None, the pre-registered row) or at most round(rate n) of
+        them (within: round(rate n_cell) per cell), the ones first in a seeded random order when there are more."""
+        fail = self.conf["cache_failure"].to_numpy(bool)
+        if rate is not None:
+            order = seeded_uniform(self.conf["example_id"], BOOT_SEED)
+            groups = cells(self.conf) if within else np.zeros(len(fail), dtype=int)
+            esc = np.zeros(len(fail), bool)
+            for g in np.unique(groups):
+                at = np.flatnonzero(groups == g)
+                failed = at[fail[at]]
+                esc[failed[np.argsort(order[failed], kind="stable")][: round(rate * len(at))]] = True
+            fail = esc
+        return outcome(self.conf, fail, "kv_one")
 
     def kv_matched_confidence(self, rate: float = RATE) -> pd.DataFrame:
         """Confidence on one draw at the rate whose mean KV on the calibration split equals agreement's at `rate`."""
@@ -145,26 +176,59 @@ def evaluate_claim(answers: pd.DataFrame, design: Mapping, spec: Mapping) -> dic
     return dict(result, verdict=verdict(spec["rule"], result, float(spec.get("margin", 0.0))), unit=spec["unit"])
 
 
+SIGNAL_ROWS = {  # the table's row name of each signal (the flag from the answers beside the recorded one)
+    "agreement": "agreement",
+    "confidence": "confidence",
+    "certificate": "certificate",
+    "differs": "differs (recorded: end tokens compared)",
+    "differs_answers": "differs (answers compared)",
+    "random": "random",
+}
+ORACLE_UNCAPPED = "oracle (uncapped: every cache-induced failure)"
+ORACLE_CAPPED = "oracle (capped at the rate)"
+LEGEND = (
+    "Each budget's table: `within_*` escalates the top 20% of each task x length cell; `overall_*` escalates the\n"
+    "scores above the calibration split's 20% threshold, a score equal to it never (strict `>`, the pre-registered\n"
+    "rule every claim uses); `drawn_*` is the same threshold with the rows tied at it escalated by a seeded draw that\n"
+    "holds the rate on the calibration split (kvcert.serve.escalator's tie rule; reported, no verdict).\n"
+    '"differs (recorded: end tokens compared)" is the pre-registered flag (`differs_r3` of the records: a different\n'
+    'token ending the same answer counts as a difference); "differs (answers compared)" compares the draws\' answers\n'
+    '(texts up to the stop). "oracle (uncapped ...)" escalates every cache-induced failure (the pre-registered row,\n'
+    'at whatever rate that is); "oracle (capped at the rate)" escalates at most 20% of the rows (within: of each\n'
+    "cell), cache-induced failures only: the most any rule at that rate can recover. Deviations: DEVIATIONS.md."
+)
+
+
 def signal_table(answers: pd.DataFrame, design: Mapping, budget: float) -> pd.DataFrame:
-    """Every signal at rate 20%, within cells and overall: accuracy, realized rate, mean KV; AUROCs."""
+    """Every signal at rate 20%, within cells and overall (ties at the threshold strict, the claims' rule, and drawn):
+    accuracy, realized rate, mean KV; AUROCs. The cell rule, the oracle (uncapped and capped at the rate), none."""
     s = Study5(answers, design, budget)
     right = s.conf[s.conf["full_correct"].astype(bool)]
     rows = []
-    for signal in ("agreement", "confidence", "certificate", "differs", "random"):
-        w, o = s.within(signal), s.overall(signal)
+    for signal, name in SIGNAL_ROWS.items():
+        w, o, d = s.within(signal), s.overall(signal), s.overall(signal, ties="drawn")
         scores = np.nan_to_num(right[f"score_{signal}"].to_numpy(np.float64), nan=-np.inf)
         lab = right["cache_failure"].to_numpy(bool)
-        rows.append(dict(signal=signal, within_accuracy=100 * w["correct"].mean(), within_kv_mib=w["kv"].mean() / MIB,
+        rows.append(dict(signal=name, within_accuracy=100 * w["correct"].mean(), within_kv_mib=w["kv"].mean() / MIB,
                          overall_accuracy=100 * o["correct"].mean(), overall_rate=o["escalated"].mean(),
                          overall_kv_mib=o["kv"].mean() / MIB,
+                         drawn_accuracy=100 * d["correct"].mean(), drawn_rate=d["escalated"].mean(),
+                         drawn_kv_mib=d["kv"].mean() / MIB,
                          auroc_within=within_cell_auroc(lab, scores, cells(right)),
                          auroc_pooled=within_cell_auroc(lab, scores, np.zeros(len(right)))))  # fmt: skip
     agree = s.overall("agreement")
-    for name, frame in (("cell rule", s.cell_rule(float(agree["escalated"].sum()))), ("oracle", s.oracle()),
-                        ("none", outcome(s.conf, np.zeros(len(s.conf)), "kv_one"))):  # fmt: skip
-        rows.append(dict(signal=name, overall_accuracy=100 * frame["correct"].mean(),
-                         overall_rate=frame["escalated"].mean(), overall_kv_mib=frame["kv"].mean() / MIB))  # fmt: skip
+    capped, capped_within = s.oracle(RATE), s.oracle(RATE, within=True)
+    rows.append(dict(signal="cell rule", **_overall(s.cell_rule(float(agree["escalated"].sum())))))
+    rows.append(dict(signal=ORACLE_UNCAPPED, **_overall(s.oracle())))
+    rows.append(dict(signal=ORACLE_CAPPED, within_accuracy=100 * capped_within["correct"].mean(),
+                     within_kv_mib=capped_within["kv"].mean() / MIB, **_overall(capped)))  # fmt: skip
+    rows.append(dict(signal="none", **_overall(outcome(s.conf, np.zeros(len(s.conf)), "kv_one"))))
     return pd.DataFrame(rows)
+
+
+def _overall(frame: pd.DataFrame) -> dict:
+    return dict(overall_accuracy=100 * frame["correct"].mean(), overall_rate=frame["escalated"].mean(),
+                overall_kv_mib=frame["kv"].mean() / MIB)  # fmt: skip
 
 
 def majority_correct(frame: pd.DataFrame, r: int) -> np.ndarray:
@@ -208,7 +272,7 @@ def analyze(root: Path = Path("."), partial: bool = False, n_boot: int | None = 
 def _analyze(root: Path, partial: bool) -> dict:
     design = yaml.safe_load((root / PREREG / "design.yaml").read_text())
     out: dict = {}
-    lines = [f"# Study 5 {'interim report (incomplete records, no claims)' if partial else 'report'}", ""]
+    lines = [f"# Study 5 {'interim report (incomplete records, no claims)' if partial else 'report'}", "", LEGEND, ""]
     for tag in MODELS:
         path = root / RESULTS / tag / "answers.jsonl"
         if not path.is_file():
@@ -231,6 +295,9 @@ def _analyze(root: Path, partial: bool) -> dict:
         rows = [dict(claim=cid, estimate=c["estimate"], lo=c["lo"], hi=c["hi"], verdict=c["verdict"])
                 for cid, c in claims.items()]  # fmt: skip
         lines += ["### claims", "", markdown_table(pd.DataFrame(rows).round(3)), ""]
+        studies = {cid: Study5(answers, design, float(preds["claims"][cid]["budget"])) for cid in fragility.CLAIMS
+                   if preds["claims"].get(cid, {}).get("test") == "within_cell_gain"}  # fmt: skip
+        lines += fragility.lines(tag, studies, preds["claims"], claims, N_BOOT, BOOT_SEED, RATE)
     name = "interim_report.md" if partial else "report.md"
     (root / RESULTS).mkdir(parents=True, exist_ok=True)
     (root / RESULTS / name).write_text("\n".join(lines))

@@ -2,7 +2,12 @@
 pandas / numpy. One frame = the rows of one budget; every function leaves the records unchanged.
 
 Scores (larger: escalate first): `agreement_score` (a variant's disagreement, alone or combined with confidence by
-reference-set CDF values), `confidence`, `certificate`, the answer-level flag `differs_<variant>`, random.
+reference-set CDF values), `confidence`, `certificate`, the answer-level flag `differs_<variant>` (as recorded: end
+tokens compared) and `answers_differ_score` (the draws' answers compared), random.
+
+Overall escalation with a threshold from the calibration split: `above` (strict, the pre-registered rule of every
+claim: a score equal to the threshold never escalates) and `above_or_drawn` (ties at the threshold escalate by a
+seeded draw that holds the rate, the rule of kvcert.serve.escalator).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from kvcert.studies.study4.analysis import in_calibration_split, within_cell_aur
 VARIANTS = ("split", "r2", "r3", "r4")  # by cost: the split halves hold one draw's KV; r<R>: R independent draws
 FORMS = ("alone", "combined")
 RANDOM_SEED = 20260101
+TIE_SEED = 20260102  # the draw among scores tied at an overall threshold (above_or_drawn)
 
 
 def cells(frame: pd.DataFrame) -> np.ndarray:
@@ -51,14 +57,31 @@ def agreement_score(frame: pd.DataFrame, variant: str, form: str, reference: pd.
     return (ecdf(ref[column].to_numpy(np.float64), dis) + ecdf(ref["confidence"].to_numpy(np.float64), conf)) / 2
 
 
+def seeded_uniform(ids, seed: int) -> np.ndarray:
+    """A uniform number in [0, 1) per id from the SHA-256 of the seed and the id: the same for an id in any frame."""
+
+    def u(example_id: str) -> float:
+        return int(hashlib.sha256(f"{seed}|{example_id}".encode()).hexdigest()[:15], 16) / 16**15
+
+    return np.array([u(str(i)) for i in ids], np.float64)
+
+
 def random_score(frame: pd.DataFrame) -> np.ndarray:
     """A seeded uniform number in [0, 1) per example id (its SHA-256 with the seed): the same for an id in any frame,
     so a threshold fitted on the calibration split means the same on the confirmatory split."""
+    return seeded_uniform(frame["example_id"], RANDOM_SEED)
 
-    def u(example_id: str) -> float:
-        return int(hashlib.sha256(f"{RANDOM_SEED}|{example_id}".encode()).hexdigest()[:15], 16) / 16**15
 
-    return frame["example_id"].map(u).to_numpy(np.float64)
+def answers_differ_score(frame: pd.DataFrame, variant: str) -> np.ndarray:
+    """The answer-level flag from the draws' own answers (texts up to the stop, `draw_answers`): the share of draws
+    1..R-1 whose answer differs from draw 0's (`kvcert.core.agreement.answers_differ`). Independent draws only (the
+    split halves decode no answer of their own): for "split" the recorded `differs_split`."""
+    from kvcert.core.agreement import answers_differ
+
+    if variant == "split":
+        return frame["differs_split"].to_numpy(np.float64)
+    r = int(variant.removeprefix("r"))
+    return np.array([answers_differ(a[0], list(a[1:r])) for a in frame["draw_answers"]], np.float64)
 
 
 def within_cell_escalated(frame: pd.DataFrame, scores: np.ndarray, rate: float) -> np.ndarray:
@@ -93,7 +116,31 @@ def threshold(calibration_scores: np.ndarray, rate: float) -> float:
 
 
 def above(scores: np.ndarray, cut: float) -> np.ndarray:
+    """Strictly above the threshold (the pre-registered rule of every claim): a score equal to it never escalates, so
+    a score with few values whose threshold is its largest value escalates nothing (the "differs" flag)."""
     return np.isfinite(scores) & (scores > cut)
+
+
+def tie_probability(calibration_scores: np.ndarray, cut: float, rate: float) -> float:
+    """The probability p = (rate n - above) / equal, clipped to [0, 1], with which a score equal to the threshold
+    escalates (n, above, equal: the calibration split's finite scores, those strictly above and those equal to it),
+    so the calibration's expected escalated share is `rate`; `rate` when no calibration score equals it
+    (kvcert.serve.escalator's tie rule)."""
+    finite = calibration_scores[np.isfinite(calibration_scores)]
+    equal, over = int((finite == cut).sum()), int((finite > cut).sum())
+    if equal == 0:
+        return float(rate)
+    return float(min(1.0, max(0.0, (rate * len(finite) - over) / equal)))
+
+
+def above_or_drawn(
+    scores: np.ndarray, cut: float, calibration_scores: np.ndarray, rate: float, ids, seed: int = TIE_SEED
+) -> np.ndarray:
+    """Above the threshold, or equal to it and drawn: a tied row escalates when its seeded uniform number
+    (`seeded_uniform(ids, seed)`, per id) is below `tie_probability`. Deterministic for a seed."""
+    p = tie_probability(calibration_scores, cut, rate)
+    tied = np.isfinite(scores) & (scores == cut) & (seeded_uniform(ids, seed) < p)
+    return above(scores, cut) | tied
 
 
 def cell_rule(calibration: pd.DataFrame, frame: pd.DataFrame, count: float) -> np.ndarray:
