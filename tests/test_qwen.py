@@ -126,8 +126,10 @@ def test_hydra_and_the_cli_take_the_short_name() -> None:
     from conftest import compose
     from kvcert.serve.cli import _model_name
 
-    cfg = compose(["model=qwen2.5"])
-    assert cfg.model.name == QWEN and cfg.model.name in EMBEDDED_MODELS
+    for name in ("qwen2.5", QWEN):
+        cfg = compose([f"model={name}"])
+        assert cfg.model.name == QWEN and cfg.model.name in EMBEDDED_MODELS
+    assert "qwen2.5 (qwen2.5-coder-0.5b-instruct)" in loading.packaged_names()
     assert _model_name("qwen2.5") == QWEN
 
 
