@@ -48,7 +48,13 @@ from kvcert.hf.model_support import (
     _drop_inert_window,
     _meta_copy,
 )
-from kvcert.hf.packaged import ALIASES, EMBEDDED_MODELS, EmbeddedModel  # noqa: F401  (re-exported: the registry)
+from kvcert.hf.packaged import (  # noqa: F401  (re-exported: the registry)
+    ALIASES,
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    _packaged_hint,
+    packaged_names,
+)
 
 MARKER = "kvcert-complete.json"
 _MARKER_FORMAT = 1
@@ -301,25 +307,6 @@ def _load_error(label: str, err: Exception, hub: bool, unreachable: str | None) 
         f"model '{label}' could not be loaded ({_first_line(err)}): check the id, download it with `hf download"
         f" {label}` (a gated model needs `hf auth login` first), or pass a local folder{_packaged_hint(label)}"
     )
-
-
-def packaged_names() -> str:
-    """The packaged models by short name and full name, e.g. "smollm2 (smollm2-135m-instruct), gemma3 (gemma3-270m)"."""
-    short = {}
-    for alias, full in ALIASES.items():
-        short.setdefault(full, alias)  # the first alias of each model is its short name
-    return ", ".join(f"{short[m]} ({m})" if m in short else m for m in EMBEDDED_MODELS)
-
-
-def _packaged_hint(label: str) -> str:
-    """For a bare name that is not packaged (`smollm3`): the packaged models, the nearest first when one is close."""
-    import difflib
-
-    if "/" in label:
-        return ""
-    near = difflib.get_close_matches(label, [*ALIASES, *EMBEDDED_MODELS], n=1, cutoff=0.6)
-    mean = f"did you mean {near[0]}? " if near else ""
-    return f"; {mean}the packaged models are {packaged_names()}"
 
 
 def _looks_like_path(name: str) -> bool:

@@ -68,3 +68,22 @@ ALIASES = {
     "gemma3_270m": "gemma3-270m",
     "qwen2.5": "qwen2.5-coder-0.5b-instruct",
 }
+
+
+def packaged_names() -> str:
+    """The packaged models by short name and full name, e.g. "smollm2 (smollm2-135m-instruct), gemma3 (gemma3-270m)"."""
+    short = {}
+    for alias, full in ALIASES.items():
+        short.setdefault(full, alias)  # the first alias of each model is its short name
+    return ", ".join(f"{short[m]} ({m})" if m in short else m for m in EMBEDDED_MODELS)
+
+
+def _packaged_hint(label: str) -> str:
+    """For a bare name that is not packaged (`smollm3`): the packaged models, the nearest first when one is close."""
+    import difflib
+
+    if "/" in label:
+        return ""
+    near = difflib.get_close_matches(label, [*ALIASES, *EMBEDDED_MODELS], n=1, cutoff=0.6)
+    mean = f"did you mean {near[0]}? " if near else ""
+    return f"; {mean}the packaged models are {packaged_names()}"
