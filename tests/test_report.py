@@ -81,7 +81,11 @@ def test_a_multirun_ends_in_a_report_from_its_records(multirun):
 
 
 def test_a_hydra_typo_exits_2_naming_the_nearest_key(tmp_path):
-    from kvcert.run import check_overrides
+    from kvcert.run import check_overrides as check_with
+    from kvcert.run import config_dir
+
+    def check_overrides(args: list[str]) -> str | None:
+        return check_with(args, config_dir())
 
     done = _kvcert_run("budgett=0.25", cwd=tmp_path)
     assert done.returncode == 2 and "To append to your config" not in done.stderr

@@ -22,6 +22,7 @@ _PUBLIC = {
     "Generation": "kvcert.serve",
     "Policy": "kvcert.policy",
     "RateEscalator": "kvcert.serve",
+    "calibrate_budget": "kvcert.serve.budget_calibration",  # kvcert calibrate-budget: a budget with a guarantee
     "generate": "kvcert.serve",
     "load_model": "kvcert.hf.loading",  # the same object as kvcert.hf.load_model
 }
@@ -33,6 +34,7 @@ __all__ = [
     "Generation",
     "Policy",
     "RateEscalator",
+    "calibrate_budget",
     "generate",
     "load_model",
 ]
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from kvcert.hf.loading import load_model
     from kvcert.policy import Policy
     from kvcert.serve import Calibration, CalibrationError, Escalation, Generation, RateEscalator, generate
+    from kvcert.serve.budget_calibration import calibrate_budget
 
 
 def __getattr__(name: str):

@@ -217,9 +217,10 @@ def _request_budget(text: str) -> float:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from kvcert.serve.budget_cli import budget_file_arg
     from kvcert.serve.validate import validate_request
 
-    budget = _request_budget(args.budget)
+    budget = budget_file_arg(args.budget_file, args.group, args.tolerance) or _request_budget(args.budget)
     context = _read_text(args.context_file, "context file")
     try:  # the API's own check, before the model loads (generate repeats it with the tokenizer)
         validate_request(context=context, question=args.question, max_new_tokens=args.max_new_tokens,
@@ -227,7 +228,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from None
     model_name = _model_name(args.model)
-    calibration = _calibration_arg(args.calibration, model_name, budget)
+    calibration = _calibration_arg(args.calibration, model_name, getattr(budget, "budget", budget))
     draws = _draws_arg(args.draws, args.draws_variant)
     escalate = _escalate_arg(args.escalate, args.escalate_scope, args.escalate_signal, draws)
     tolerance, ladder = _tolerance_args(args.tolerance, args.ladder)
@@ -378,8 +379,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     from kvcert.report import cmd_report
+    from kvcert.serve.budget_cli import cmd_calibrate_budget
 
-    command = {"generate": cmd_generate, "calibrate": cmd_calibrate, "report": cmd_report}[args.command]
+    commands = {"generate": cmd_generate, "calibrate": cmd_calibrate, "calibrate-budget": cmd_calibrate_budget}
+    command = {**commands, "report": cmd_report}[args.command]
     with warnings.catch_warnings():
         warnings.showwarning = _print_warning
         try:

@@ -32,6 +32,9 @@ def _generate_parser(sub) -> None:
     g.add_argument(
         "--budget", default="0.25", help="share of the prompt the cache keeps, in (0, 1] (default %(default)s)"
     )
+    g.add_argument("--budget-file", default=None, help="use the budget a `kvcert calibrate-budget` file chose "
+                   "(and state its guarantee; --budget is then ignored)")  # fmt: skip
+    g.add_argument("--group", default=None, help="with --budget-file: the prompt's group (default: the pooled budget)")
     g.add_argument(
         "--max-new-tokens", type=int, default=64, help="the most tokens the answer may have (default %(default)s)"
     )
@@ -115,7 +118,7 @@ def _calibrate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser; the chosen subcommand is `args.command` ("generate", "calibrate" or "report")."""
+    """The parser; the chosen subcommand is `args.command` ("generate", "calibrate", "calibrate-budget" or "report")."""
     parser = argparse.ArgumentParser(
         prog="kvcert", description="KV-cache eviction with a calibrated certificate for every generated token."
     )
@@ -123,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _calibrate_parser(sub)
     from kvcert.report import add_parser as report_parser
+    from kvcert.serve.budget_cli import add_parser as budget_parser
 
+    budget_parser(sub)  # calibrate-budget
     report_parser(sub)  # kvcert report <runs or multirun folder>
     return parser

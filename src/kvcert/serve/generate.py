@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvcert.policy import FULL, Policy
+from kvcert.serve.budget_file import CalibratedBudget, resolve_budget
 from kvcert.serve.calibration import Calibration, CalibrationError, shipped
 from kvcert.serve.escalator import RateEscalator
-from kvcert.serve.generation import EXACT, Generation
+from kvcert.serve.generation import EXACT, REFERENCE_RATE, Generation
 from kvcert.serve.probe import DEFAULT_LADDER, choose_rung, summarize
 from kvcert.serve.stream import (
     AUTO,
@@ -51,6 +52,7 @@ from kvcert.serve.stream import (
     _escalate_to,
     _Stream,
     answer_confidence,
+    reference_thresholds,
     resolve_rule,
 )
 
@@ -206,7 +208,7 @@ def generate(
     context: str | None = None,
     question: str | None = None,
     messages: list[dict] | None = None,
-    budget: float = 0.25,
+    budget: float | str | CalibratedBudget = 0.25,
     policy: Policy | None = None,
     calibration="auto",
     escalate: Escalation | RateEscalator | str | None = None,
@@ -238,13 +240,15 @@ def generate(
     (`kvcert.serve.validate`). draws: None (one draw), an int R (R independent draws) or a kvcert.hf.draws.Draws:
     the policy's draws decoded as rows of one batch from one read, draw 0's answer the answer and the others fed
     its tokens (`Generation.agreement`; docs/generate.md). escalate= also takes a RateEscalator, asked once per
-    answer with the answer's signal (the answer restarts with the full cache when it says so)."""
+    answer with the answer's signal (the answer restarts with the full cache when it says so). budget= also takes a
+    `kvcert calibrate-budget` file or a CalibratedBudget (kvcert.serve.budget_file; summary() states its guarantee)."""
     from kvcert.hf import DecodeOptions, Prompt, compress_while_reading
     from kvcert.hf.decode import answer_length, eos_ids
     from kvcert.hf.draws import agreement_of, answer_end, as_draws, draw_policies
     from kvcert.serve.validate import validate_request, warn_empty_answer
     from kvcert.tasks.render import default_answer_prefix
 
+    budget, policy, guarantee = resolve_budget(budget, policy, model, tolerance)  # a budget file: its budget, guarantee
     validate_request(context=context, question=question, budget=None if policy else budget, messages=messages,
                      max_new_tokens=max_new_tokens, answer_prefix=answer_prefix, tokenizer=tokenizer)  # fmt: skip
     model_name = model_name or getattr(model, "kvcert_name", None)
@@ -290,7 +294,7 @@ def generate(
     cal, cal_label = resolve_calibration(calibration, model_name, n_layers, policy, chosen_budget=choice is not None)
     reduction = cal.reduction if cal is not None else "max"
     escalate, threshold, escalator = resolve_rule(escalate, cal, policy, draws)
-    reference, agreement_reference = _references(cal, policy, draws)
+    reference, agreement_reference = reference_thresholds(cal, policy, draws, REFERENCE_RATE)
     stream = _Stream(tokenizer, cal, reduction, escalate, threshold, on_token, n_layers, seed)
     current, kv_held, stopped, probe_result, agreement, drew = policy, 0, "max_new_tokens", None, None, None
     eos = eos_ids(model, tokenizer)
@@ -374,29 +378,8 @@ def generate(
         escalator=None if escalator is None else _reading(escalator, stream.reading),
         reference_threshold=reference,
         agreement_reference=agreement_reference,
+        guarantee=guarantee,
     )
-
-
-def _references(cal: Calibration | None, policy: Policy, draws: Draws | None) -> tuple[float | None, float | None]:
-    """The calibration's thresholds for a REFERENCE_RATE escalation rate at the policy's budget, which the summary
-    reads the answer against: the largest certificate's and (with draws the file was fitted with) the draws'
-    disagreement's; None where the file has none."""
-    from kvcert.serve.generation import REFERENCE_RATE
-    from kvcert.serve.stream import _agreement_threshold
-
-    if cal is None or policy.is_full:
-        return None, None
-    try:
-        cert = cal.threshold(REFERENCE_RATE, policy.budget)
-    except CalibrationError:
-        cert = None
-    agree = None
-    if draws is not None:
-        try:
-            agree = _agreement_threshold(cal, REFERENCE_RATE, policy.budget, draws)
-        except CalibrationError:
-            agree = None
-    return cert, agree
 
 
 def _reading(escalator: RateEscalator, reading: dict | None) -> dict:

@@ -75,6 +75,7 @@ class Generation:
     # applies): the answer's largest certificate's, and the draws' disagreement's (with draws the file was fitted with)
     reference_threshold: float | None = None
     agreement_reference: float | None = None
+    guarantee: str | None = None  # with budget= a calibrate-budget file: its guarantee in one sentence
 
     @property
     def answer(self) -> str:
@@ -154,6 +155,8 @@ class Generation:
             n, k, rate = self.escalator["answers"], self.escalator["escalations"], self.escalator["rate"]
             share = f" ({k / n:.0%})" if n else ""
             line += f"; escalated {k} of {n} answers{share}, target {rate:.0%}"
+        if self.guarantee:
+            line += f"; {self.guarantee}"
         return "\n".join([f"answer: {self.text.strip()}", line, self._advice(verdict, exact)])
 
     def _advice(self, verdict: str | None, exact: bool) -> str:

@@ -356,3 +356,24 @@ def _agreement_threshold(cal: Calibration | None, rate: float, budget: float, dr
     if why is not None:
         raise CalibrationError(f"the calibration's agreement thresholds do not apply: {why}; {fix}")
     return cal.signal_threshold("agreement", rate, budget=budget)
+
+
+def reference_thresholds(
+    cal: Calibration | None, policy: Policy, draws: Draws | None, rate: float
+) -> tuple[float | None, float | None]:
+    """The calibration's thresholds for an escalation rate `rate` at the policy's budget, which the summary reads
+    the answer against: the largest certificate's and (with draws the file was fitted with) the draws'
+    disagreement's; None where the file has none."""
+    if cal is None or policy.is_full:
+        return None, None
+    try:
+        cert = cal.threshold(rate, policy.budget)
+    except CalibrationError:
+        cert = None
+    agree = None
+    if draws is not None:
+        try:
+            agree = _agreement_threshold(cal, rate, policy.budget, draws)
+        except CalibrationError:
+            agree = None
+    return cert, agree
