@@ -3,6 +3,7 @@ simulation, teacher-forced rows against a float64 recomputation with a plain att
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -180,17 +181,18 @@ def _reference_logprobs(model, prompt_ids, answer, comp) -> list[float]:
         return (w.softmax(-1) @ v).transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("kvcert_test_reference64", attention)
-    ref = tiny_random_model("llama", seed=0)[0].double()
+    ref = copy.deepcopy(model).double()  # the same weights (q/k/v biases included), in float64
     ref.set_attn_implementation("kvcert_test_reference64")
     with torch.no_grad():
         logp = ref(ids).logits[0].log_softmax(-1)
     return [float(logp[n - 1 + t, answer[t]]) for t in range(m)]
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2.5"])
 @pytest.mark.parametrize("variant", ["independent", "split"])
 @pytest.mark.parametrize("oracle", [True, False])
-def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, variant, oracle):
-    model, _ = tiny_random_model("llama", seed=0)
+def test_teacher_forced_rows_against_a_float64_recomputation(monkeypatch, variant, oracle, arch):
+    model, _ = tiny_random_model(arch, seed=0)
     prompt = _prompt()
     rows, follow = draw_policies(POLICY, Draws(variant=variant))
     spy = _Spy(monkeypatch)

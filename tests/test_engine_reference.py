@@ -49,11 +49,11 @@ ESS_MIN, TAIL_MASS_MIN, ESS_RATIO_MIN = 10.0, 1e-2, 0.3
 
 
 # ---------------------------------------------------------------------------------------------- the engine run
-@pytest.fixture(scope="module")
-def run():
+@pytest.fixture(scope="module", params=["llama", "qwen2.5"])
+def run(request):
     """One generate_variants call with certificate and oracle on; per (policy, step, layer) what hajek_attention
     received and returned, the Compressed of every policy, the results, and a plain transformers reference."""
-    model, _ = tiny_random_model("llama")
+    model, _ = tiny_random_model(request.param)  # qwen2.5: 7 query heads per KV head, q/k/v biases
     ids = torch.randint(3, 128, (N,), generator=torch.Generator().manual_seed(0)).tolist()
     prompt = Prompt(input_ids=ids, question_start=QS, example_id="ex-0")
     calls, comps, batches = [], {}, []
@@ -146,6 +146,7 @@ def run():
             model(torch.tensor([ids + r.tokens[:STEPS]]), cache=full, use_cache=True)
             appended_k0[p] = full.layers[0].keys[0, :, N:].double()
     return {
+        "arch": request.param,
         "model": model,
         "ids": ids,
         "results": results,
@@ -309,6 +310,9 @@ STAT_TOL = {  # float32 engine vs float64 reference
     "head_mass": (1e-4, 1e-6),
     "trace_c2": (1e-4, 1e-14),  # the same estimator: agrees to ~1e-6 relative
 }
+# The tiny Qwen2.5's tr(C^2) is ~1e-7 (7 query heads per KV head, random q/k/v biases): the debiased sketch is a
+# difference of float32 sums that nearly cancel there, so it agrees to ~1e-4 relative; its other statistics as above.
+STAT_TOL_BY_ARCH = {"qwen2.5": {"trace_c2": (1e-3, 1e-14)}}
 
 
 def test_hajek_output_is_offset_attention(run):
@@ -325,7 +329,7 @@ def test_recorded_statistics_equal_the_float64_recomputation(run, reference):
     for (p, step, layer), ref in reference.items():
         stats = results[p].stats
         assert set(stats) == set(STAT_TOL), "every statistic recorded"
-        for name, (rtol, atol) in STAT_TOL.items():
+        for name, (rtol, atol) in {**STAT_TOL, **STAT_TOL_BY_ARCH.get(run["arch"], {})}.items():
             got = stats[name][step, layer].astype(np.float64)
             want = ref[name]
             assert np.array_equal(np.isnan(got), np.isnan(want)), (POLICIES[p].label, step, layer, name)

@@ -15,6 +15,16 @@ from kvcert.policy import Policy
 N, QS = 160, 130
 
 
+@pytest.fixture(scope="module", params=["llama", "qwen2.5"])
+def tiny_model(request, smol_tokenizer):
+    """conftest's tiny_smol (a tiny Llama over SmolLM2's vocabulary), and the tiny Qwen2.5 (7 query heads per KV
+    head, q/k/v biases) over the same vocabulary."""
+    from kvcert.testing import tiny_random_model
+
+    model, _ = tiny_random_model(request.param, vocab_size=len(smol_tokenizer), max_position_embeddings=4096)
+    return model, smol_tokenizer
+
+
 def _prompt(seed: int = 5) -> Prompt:
     ids = torch.randint(100, 5000, (N,), generator=torch.Generator().manual_seed(seed)).tolist()
     return Prompt(input_ids=ids, question_start=QS, example_id="x")
@@ -33,8 +43,8 @@ def test_policy_fields_validate_and_label():
 
 
 @torch.no_grad()
-def test_adakv_heads_keep_different_counts_padded_with_minus_inf(tiny_smol):
-    model, tok = tiny_smol
+def test_adakv_heads_keep_different_counts_padded_with_minus_inf(tiny_model):
+    model, tok = tiny_model
     policy = Policy(scorer="window_question", design="topk", budget=0.3, allocation="adakv")
     batch = Prefill.record(model, _prompt()).compress([policy], DecodeOptions(max_new_tokens=4, backend="torch"))
     counts = torch.stack([torch.isfinite(buf.offset[0, :, : buf.prefix]).sum(-1) for buf in batch.state.layers])
@@ -87,11 +97,11 @@ def _sizes(model, tok, policy, steps, oracle=True):
 
 
 @torch.no_grad()
-def test_recompression_holds_the_budget_and_keeps_the_global_top_k(tiny_smol):
+def test_recompression_holds_the_budget_and_keeps_the_global_top_k(tiny_model):
     """key_norm x topk, re-compressed every 8 steps of 40: after step s the cache holds the budget plus the
     s % 8 + 1 tokens appended since the last re-compression; and since a token's key-norm score never changes, the
     iterated top-k is the top-k of every token ever seen, which the oracle's full keys give independently."""
-    model, tok = tiny_smol
+    model, tok = tiny_model
     every, steps, target = 8, 40, keep_count(0.3, N)
     policy = Policy(scorer="key_norm", design="topk", budget=0.3, recompress_every=every)
     sizes, snaps, batch, result = _sizes(model, tok, policy, steps)
@@ -108,8 +118,8 @@ def test_recompression_holds_the_budget_and_keeps_the_global_top_k(tiny_smol):
 
 
 @torch.no_grad()
-def test_randomized_recompression_composes_pi_and_keeps_finite_certificates(tiny_smol):
-    model, tok = tiny_smol
+def test_randomized_recompression_composes_pi_and_keeps_finite_certificates(tiny_model):
+    model, tok = tiny_model
     policy = Policy(scorer="window_question", design="randomized", budget=0.3, tail_fraction=0.75, recompress_every=6,
                     allocation="adakv")  # fmt: skip
     sizes, _, batch, result = _sizes(model, tok, policy, 20)
@@ -128,8 +138,8 @@ def test_randomized_recompression_composes_pi_and_keeps_finite_certificates(tiny
 
 
 @torch.no_grad()
-def test_recompression_later_than_the_answer_changes_nothing(tiny_smol):
-    model, tok = tiny_smol
+def test_recompression_later_than_the_answer_changes_nothing(tiny_model):
+    model, tok = tiny_model
     base = dict(scorer="window_question", design="randomized", budget=0.3, seed=2)
     opts = DecodeOptions(max_new_tokens=10, backend="torch")
     from kvcert.hf import generate_variants

@@ -21,7 +21,7 @@ def _prompt(seed=0):
     return Prompt(input_ids=ids, question_start=QS, example_id="e")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen2.5"])
 def test_keep_all_through_every_design_reproduces_full_cache_decoding(arch):
     model, _ = tiny_random_model(arch)
     ids = _prompt()

@@ -48,7 +48,7 @@ def _reference(q, new_k, new_v, b, scale):
 
 
 @needs_cxx
-@pytest.mark.parametrize("group, d", [(3, 64), (2, 16), (8, 24)])
+@pytest.mark.parametrize("group, d", [(3, 64), (2, 16), (8, 24), (7, 64), (7, 16)])
 def test_kernel_matches_exact_attention_and_certificate(group, d):
     """Two buckets of different widths, one with the certificate's rows and an oracle part, one without: the cache
     append, p, a, o_hat, sum a v and V_hat (from the work buffers, as flush_stats computes it) equal a float64
@@ -134,13 +134,14 @@ def test_backend_option_is_checked():
 
 
 @needs_cxx
-def test_both_backends_decode_the_same_tokens_and_statistics():
+@pytest.mark.parametrize("arch", ["llama", "qwen2.5"])
+def test_both_backends_decode_the_same_tokens_and_statistics(arch):
     """The compiled kernel and torch ops fill the same work buffers; the statistics after the forward are one code
     path. Tokens identical, every statistic equal to float rounding."""
     from kvcert.hf import DecodeOptions, Prompt, generate_variants, tiny_random_model
     from kvcert.policy import FULL, Policy
 
-    model, _ = tiny_random_model("llama")
+    model, _ = tiny_random_model(arch)
     ids = torch.randint(3, 128, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     prompt = Prompt(input_ids=ids, question_start=280, example_id="ex")
     policies = [FULL] + [

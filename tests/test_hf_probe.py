@@ -4,6 +4,7 @@ read gives the same numbers; layers and policies without compression carry none.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvcert.hf import DecodeOptions, Prompt, compress_while_reading, probe_prompt, tiny_random_model
@@ -29,8 +30,9 @@ def _naive_errors(q, k, v, kept, log_pi, positions, scale):
     return out
 
 
-def test_probe_equals_a_float64_recomputation_from_the_layers_own_tensors(monkeypatch):
-    model, _ = tiny_random_model("llama", seed=3)
+@pytest.mark.parametrize("arch", ["llama", "qwen2.5"])
+def test_probe_equals_a_float64_recomputation_from_the_layers_own_tensors(monkeypatch, arch):
+    model, _ = tiny_random_model(arch, seed=3)
     n, qs = 90, 70
     ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
     prompt = Prompt(input_ids=ids, question_start=qs, example_id="probe-test")

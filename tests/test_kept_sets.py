@@ -16,6 +16,8 @@ Specifications (re-derived here in float64, not read from kvcert):
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -206,8 +208,15 @@ def test_the_grid_covers_every_registered_scorer_and_the_two_designs():
     assert {(p.scorer, p.design) for p in GRID} >= {(s, d) for s in SPECIFIED for d in ("topk", "randomized")}
 
 
+@pytest.fixture(params=[4, 14], ids=["group2", "group7"])
+def query_heads(request, monkeypatch):
+    """HQ query heads over the HKV = 2 KV heads: 2 per KV head (Llama-like) or 7 (Qwen2.5-0.5B's 14 / 2)."""
+    monkeypatch.setattr(sys.modules[__name__], "HQ", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("policy", GRID, ids=[p.label for p in GRID])
-def test_kept_set_equals_its_specification(policy):
+def test_kept_set_equals_its_specification(policy, query_heads):
     check_against_spec(policy, _keys())
 
 

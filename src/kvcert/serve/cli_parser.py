@@ -18,8 +18,8 @@ def _generate_parser(sub) -> None:
     g.add_argument(
         "--model",
         required=True,
-        help="a packaged model (smollm2-135m-instruct or smollm2, gemma3-270m or gemma3), a local model folder, or a "
-        "Hugging Face hub id (downloaded beforehand: hf download <id>)",
+        help="a packaged model (smollm2-135m-instruct or smollm2, gemma3-270m or gemma3, qwen2.5-coder-0.5b-instruct "
+        "or qwen2.5), a local model folder, or a Hugging Face hub id (downloaded beforehand: hf download <id>)",
     )
     g.add_argument("--context-file", required=True, help="the document the question is about (UTF-8 text)")
     g.add_argument("--question", required=True, help="the question to answer from the document")
