@@ -233,3 +233,11 @@ def test_the_scorecard_opens_with_one_row_per_claim_and_folds_the_locks_away():
     page = combined_html(card, [])
     assert page.index("What holds: one row per claim") < page.index("<details>") < page.index("NOT LOCKED")
     assert "<td>our verdict replicated (refuted); the paper&#x27;s verdict (supported) does not hold here</td>" in page
+
+
+def test_the_combined_scorecards_title_names_studies_and_models_not_every_column_id():
+    from kvcert.studies.scorecard_claims import scorecard_title
+
+    ids = ["study1", "study2", "study3_smollm2", "study3_gemma3", "study4_smollm2", "study4_gemma3"]
+    assert scorecard_title({"studies": ids}) == "Scorecard: studies 1, 2, 3, 4 (6 columns; SmolLM2, Gemma 3)"
+    assert scorecard_title({"studies": ["study1"]}) == "Scorecard: study 1 (1 column; SmolLM2)"

@@ -44,6 +44,7 @@ from kvcert.studies.scorecard_claims import (  # noqa: F401  (re-exported: the o
     replication,
     replication_preregistered,
     replication_text,
+    scorecard_title,
 )
 
 TOWARD, AGAINST, NA = "toward the paper's verdict", "against", "n/a"
@@ -297,7 +298,7 @@ def combined_markdown(card: Mapping) -> str:
         df = pd.DataFrame([list(map(esc, r)) for r in body], columns=list(map(esc, header)))
         return markdown_table(df, parse_numbers=False).split("\n")
 
-    lines = ["# Scorecard: " + " and ".join(card["studies"]), "", HOW_TO_READ, ""]
+    lines = [f"# {scorecard_title(card)}", "", HOW_TO_READ, ""]
     lines += ["## What holds: one row per claim", "", *table(SUMMARY_HEADER, claim_summary_rows(card))]
     header, body, _ = _table(card)
     lines += ["", "## Every study's verdict and estimate", "", *table(header, body), "", PREREGISTERED_NOTE]
@@ -349,7 +350,7 @@ def combined_html(card: Mapping, figures: list[str]) -> str:
         ".open{background:#fffde7}.wide{overflow-x:auto}.wide table{font-size:12px}.wide td:first-child"
         "{min-width:16em}details{margin:1em 0}summary{cursor:pointer;font-weight:bold}"
     )
-    title = "Scorecard: " + " and ".join(card["studies"])
+    title = scorecard_title(card)
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>kvcert {html.escape(title)}</title>"
         f"<style>{style}</style></head><body><h1>{html.escape(title)}</h1><p>{html.escape(HOW_TO_READ)}</p>"

@@ -89,6 +89,15 @@ def _where(sids: list[str]) -> str:
     return f"{'study' if len(studies) == 1 else 'studies'} {', '.join(studies)}; {', '.join(models)}"
 
 
+def scorecard_title(card: Mapping) -> str:
+    """ "Scorecard: studies 1, 2, 3, 4, 5 (8 columns; SmolLM2, Gemma 3)" for the card's study x model columns."""
+    sids = list(card["studies"])
+    where = _where(sids)
+    studies, models = where.split("; ")
+    columns = f"{len(sids)} column{'s' if len(sids) != 1 else ''}"
+    return f"Scorecard: {studies} ({columns}; {models})"
+
+
 def claim_summary_rows(card: Mapping) -> list[list[str]]:
     """One row per claim: the claim, the paper's verdict, ours (how many study x model columns decided which way,
     where), and one line reading them together."""
