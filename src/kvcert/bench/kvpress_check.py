@@ -1,6 +1,12 @@
-"""`make kvpress-check`: kvcert's ported scorers against kvpress 0.5.5 itself, on the packaged SmolLM2 (float32).
+"""`make kvpress-check`: kvcert's ported scorers against kvpress 0.5.5 itself, on a packaged model (float32).
 
-    python -m kvcert.bench.kvpress_check [--n 8] [--context-tokens 1024] [--budget 0.25] [--out outputs/kvpress_check]
+    python -m kvcert.bench.kvpress_check [--model smollm2] [--n 8] [--context-tokens 1024] [--budget 0.25]
+        [--out outputs/kvpress_check] [--report STEM]
+
+--model: a packaged model (default SmolLM2-135M, e.g. `qwen2.5`); the kvpress side loads kvcert's converted folder
+(`default_cache_dir() / <name>`) with plain `from_pretrained`. For another model than the default, the working files
+go to outputs/kvpress_check_<model> and the report also to results/bench/kvpress_check_<model>_cpu.md / .json (model
+name without dots, e.g. qwen25), so SmolLM2's files are never overwritten.
 
 kvpress requires transformers < 5.3 and kvcert pins 5.24, so the kvpress side runs in its own environment
 (.venv-kvpress from requirements/kvpress.lock) as a subprocess (kvcert/bench/kvpress_side.py), on the same token ids:
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +36,7 @@ from transformers.utils import logging as hf_logging
 
 from kvcert.core import keep_count
 from kvcert.hf import DecodeOptions, Prefill, Prompt
-from kvcert.hf.loading import default_cache_dir, load_model
+from kvcert.hf.loading import EMBEDDED_MODELS, default_cache_dir, load_model, resolve_name
 from kvcert.policy import Policy
 from kvcert.tasks import TASKS, make_examples, render
 
@@ -151,42 +158,80 @@ def markdown(rows: list[dict]) -> str:
     return markdown_table(pd.DataFrame(rows), floatfmt=".4f")
 
 
+def _slug(model: str) -> str:
+    """The model's short file-name part: qwen2.5 -> qwen25, smollm2-135m-instruct -> smollm2."""
+    return model.split("-")[0].replace(".", "")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=MODEL, help="a packaged model (default smollm2-135m-instruct)")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--context-tokens", type=int, default=1024)
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--kvpress-python", default=".venv-kvpress/bin/python")
-    ap.add_argument("--out", default="outputs/kvpress_check")
+    ap.add_argument("--out", default=None, help="default outputs/kvpress_check (other models: _<model> appended)")
+    ap.add_argument("--report", default=None, help="also write STEM.md / STEM.json (other models: results/bench/...)")
     ap.add_argument("--reuse", action="store_true", help="reuse the kvpress side's files in --out")
     args = ap.parse_args(argv)
+    name = resolve_name(args.model)
+    if name not in EMBEDDED_MODELS:
+        ap.error(f"--model {args.model}: not a packaged model ({', '.join(EMBEDDED_MODELS)})")
+    default = name == MODEL
+    args.out = args.out or ("outputs/kvpress_check" if default else f"outputs/kvpress_check_{_slug(name)}")
+    if args.report is None and not default:
+        args.report = f"results/bench/kvpress_check_{_slug(name)}_cpu"
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     hf_logging.disable_progress_bar()
-    model, tokenizer = load_model(MODEL)
+    model, tokenizer = load_model(name)
     items = prompts(tokenizer, args.n, args.context_tokens, args.budget)
     spec = {
-        "model_dir": str(default_cache_dir() / MODEL),  # the converted safetensors folder load_model reads
+        "model_dir": str(default_cache_dir() / name),  # the converted safetensors folder load_model reads
         "presses": sorted({p for p, _ in PAIRS}),
         "max_new_tokens": args.max_new_tokens,
         "prompts": items,
     }
     (out / "prompts.json").write_text(json.dumps(spec))
+    seconds = {}
     if not args.reuse:
+        t0 = time.perf_counter()
         subprocess.run([args.kvpress_python, str(SIDE), str(out / "prompts.json"), str(out)], check=True)
+        seconds["kvpress side"] = time.perf_counter() - t0
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
+    t0 = time.perf_counter()
     ours = kvcert_side(model, tokenizer, items, args.budget, args.max_new_tokens)
+    seconds["kvcert side"] = time.perf_counter() - t0
     rows = compare(items, ours, out, eos)
     table = markdown(rows)
-    (out / "kvpress_check.md").write_text(
-        f"kvpress 0.5.5 vs kvcert (top-k, compress_after=context), {MODEL} float32, N={args.n} prompts of about "
-        f"{args.context_tokens} context tokens, budget {args.budget}\n\n{table}\n"
+    contexts = [item["question_start"] for item in items]
+    title = (
+        f"kvpress 0.5.5 vs kvcert (top-k, compress_after=context), {name} float32, N={args.n} prompts of about "
+        f"{args.context_tokens} context tokens, budget {args.budget}"
     )
+    text = f"{title}\n\n{table}\n"
+    (out / "kvpress_check.md").write_text(text)
     (out / "kvpress_check.json").write_text(json.dumps(rows, indent=2))
+    if args.report:
+        from kvcert.records import cpu_model
+
+        stem = Path(args.report)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        timing = ", ".join(f"{k} {v:.0f} s" for k, v in seconds.items())
+        setup = (
+            f"CPU: {cpu_model()}, 1 thread; context tokens {min(contexts)}-{max(contexts)}, kept "
+            f"{min(i['kept'] for i in items)}-{max(i['kept'] for i in items)}; wall: {timing}"
+        )
+        stem.with_name(stem.name + ".md").write_text(f"{title}\n\n{setup}\n\n{table}\n")
+        meta = dict(model=name, n=args.n, context_tokens=contexts, budget=args.budget, seconds=seconds)
+        stem.with_name(stem.name + ".json").write_text(
+            json.dumps(dict(cpu=cpu_model(), args=vars(args), **meta, rows=rows), indent=2)
+        )
     print(table)
+    print(", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()), flush=True)
     return 0
 
 

@@ -135,6 +135,13 @@ def time_configurations(spec: dict, out: Path) -> None:
     (out / "kvpress_times.json").write_text(json.dumps({"per_prompt_s": per_prompt}))
 
 
+def _set_head_dim(config) -> None:
+    """CriticalKVPress reads `module.config.head_dim`, which transformers 5.2's Qwen2Config does not define (its
+    attention falls back to hidden_size // num_attention_heads, as LlamaConfig's default does): set that value."""
+    if getattr(config, "head_dim", None) is None:
+        config.head_dim = config.hidden_size // config.num_attention_heads
+
+
 def main(argv: list[str]) -> int:
     timing = argv[0] == "--time"
     argv = argv[1:] if timing else argv
@@ -147,12 +154,18 @@ def main(argv: list[str]) -> int:
         time_configurations(spec, out)
         return 0
     for name in spec["presses"]:
+        t0 = time.perf_counter()
         attn = "eager" if name in EAGER else "sdpa"
         model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32, attn_implementation=attn)
         model.eval()
+        _set_head_dim(model.config)
         kept, answers = run_press(model, name, spec["prompts"], spec["max_new_tokens"])
         np.savez(out / f"{name}.npz", answers=answers, **{f"kept_{i}": k for i, k in enumerate(kept)})
-        print(f"kvpress {name}: {len(kept)} prompts, (layers, Hkv, kept) {kept[0].shape} on prompt 0", flush=True)
+        print(
+            f"kvpress {name}: {len(kept)} prompts, (layers, Hkv, kept) {kept[0].shape} on prompt 0, "
+            f"{time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     return 0
 
 
