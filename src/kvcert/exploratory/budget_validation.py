@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 from pathlib import Path
 
 import numpy as np
@@ -28,16 +27,7 @@ import pandas as pd
 from kvcert.analysis.tables import markdown_table
 from kvcert.core.risk_control import RiskControlError, loss_at, repeat_splits, select
 from kvcert.core.risk_monitor import RiskMonitor
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+from kvcert.records import cpu_model
 
 
 def collect(args) -> None:
@@ -54,7 +44,7 @@ def collect(args) -> None:
     lengths = [int(x) for x in args.lengths.split(",") if x]
     out = calibrate_budget(model, tok, tasks=tasks, lengths=lengths, n=args.n, seed=args.seed, method="crc",
                            alpha=0.5, max_new_tokens=args.max_new_tokens, model_name=name)  # fmt: skip
-    out.data.update(cpu=_cpu(), threads=args.threads)
+    out.data.update(cpu=cpu_model(), threads=args.threads)
     out.save(args.out)
     print(f"wrote {args.out} ({out.n} prompts, {out.data['wall_s']} s on {out.data['cpu']}, {args.threads} thread)")
 
